@@ -1,0 +1,318 @@
+//! The CPU reference backend: f32 math on f32, bf16 or f16 weights that stay memory-mapped.
+//!
+//! Every reduction (dot products, norms, softmax sums) runs in a fixed order per row, so a row's
+//! result is bitwise the same whether it is computed alone or together with other rows: this is what
+//! makes prefix reuse and chunked prefill exact on CPU. Work is spread over threads with rayon, by
+//! output blocks, which does not change any row's order of operations.
+
+mod ops;
+
+use std::sync::Arc;
+
+use rayon::prelude::*;
+
+use super::{AttnShape, Backend};
+use crate::error::{Error, Result};
+use crate::model::loader::{Dtype, MappedFile, TensorRef};
+
+/// Activations on the CPU: row-major f32.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CpuTensor {
+    pub data: Vec<f32>, // [rows, cols]
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// A weight on the CPU: a view into the checkpoint's mapping (or an aligned copy when the file's
+/// f32 data is not 4-byte aligned).
+#[derive(Debug)]
+pub struct CpuWeight {
+    shape: Vec<usize>,
+    storage: Storage,
+}
+
+#[derive(Debug)]
+enum Storage {
+    Mapped {
+        dtype: Dtype,
+        file: Arc<MappedFile>,
+        range: std::ops::Range<usize>,
+    },
+    Owned(Vec<f32>),
+}
+
+impl CpuWeight {
+    /// Number of elements per row (the last dimension; 1-D weights are one row).
+    fn row_len(&self) -> usize {
+        *self.shape.last().unwrap_or(&1)
+    }
+
+    fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Row `i` (of `row_len()` elements) as f32: borrowed when stored as aligned f32, else converted
+    /// into `buf`.
+    fn row<'a>(&'a self, i: usize, buf: &'a mut Vec<f32>) -> &'a [f32] {
+        let n = self.row_len();
+        self.span(i * n, n, buf)
+    }
+
+    /// Elements `start..start + n` as f32.
+    fn span<'a>(&'a self, start: usize, n: usize, buf: &'a mut Vec<f32>) -> &'a [f32] {
+        match &self.storage {
+            Storage::Owned(v) => &v[start..start + n],
+            Storage::Mapped { dtype, file, range } => {
+                let bytes = &file.data()[range.clone()];
+                match dtype {
+                    Dtype::F32 => {
+                        let b = &bytes[start * 4..(start + n) * 4];
+                        // SAFETY: `load_weight` only keeps F32 data mapped when it is 4-byte aligned;
+                        // the byte length is exactly 4·n and every bit pattern is a valid f32.
+                        unsafe { std::slice::from_raw_parts(b.as_ptr().cast::<f32>(), n) }
+                    }
+                    Dtype::BF16 => {
+                        buf.clear();
+                        buf.extend(bytes[start * 2..(start + n) * 2].chunks_exact(2).map(|b| {
+                            half::bf16::from_le_bytes([b[0], b[1]]).to_f32()
+                        }));
+                        buf
+                    }
+                    Dtype::F16 => {
+                        buf.clear();
+                        buf.extend(bytes[start * 2..(start + n) * 2].chunks_exact(2).map(|b| {
+                            half::f16::from_le_bytes([b[0], b[1]]).to_f32()
+                        }));
+                        buf
+                    }
+                }
+            }
+        }
+    }
+
+    /// The whole weight as f32 (borrowed when possible).
+    fn all<'a>(&'a self, buf: &'a mut Vec<f32>) -> &'a [f32] {
+        self.span(0, self.len(), buf)
+    }
+}
+
+/// The CPU backend. Stateless; threads come from rayon's global pool.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct CpuBackend;
+
+impl CpuBackend {
+    fn check_same(&self, op: &str, a: &CpuTensor, b: &CpuTensor) -> Result<()> {
+        if (a.rows, a.cols) != (b.rows, b.cols) {
+            return Err(Error::InvalidRequest(format!(
+                "{op}: shapes [{}, {}] and [{}, {}] differ",
+                a.rows, a.cols, b.rows, b.cols
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn shape_err(op: &str, msg: String) -> Error {
+    Error::InvalidRequest(format!("{op}: {msg}"))
+}
+
+impl Backend for CpuBackend {
+    type Tensor = CpuTensor;
+    type Weight = CpuWeight;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn load_weight(&self, t: &TensorRef) -> Result<CpuWeight> {
+        let (file, range) = t.mapping();
+        let aligned = file.data()[range.clone()].as_ptr() as usize % 4 == 0;
+        let storage = if t.dtype == Dtype::F32 && !(aligned && cfg!(target_endian = "little")) {
+            Storage::Owned(t.to_f32())
+        } else {
+            Storage::Mapped {
+                dtype: t.dtype,
+                file: file.clone(),
+                range,
+            }
+        };
+        Ok(CpuWeight {
+            shape: t.shape.clone(),
+            storage,
+        })
+    }
+
+    fn weight_shape<'w>(&self, w: &'w CpuWeight) -> &'w [usize] {
+        &w.shape
+    }
+
+    fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Result<CpuTensor> {
+        if data.len() != rows * cols {
+            return Err(shape_err("upload", format!("{} values for [{rows}, {cols}]", data.len())));
+        }
+        Ok(CpuTensor {
+            data: data.to_vec(),
+            rows,
+            cols,
+        })
+    }
+
+    fn download(&self, x: &CpuTensor) -> Result<Vec<f32>> {
+        Ok(x.data.clone())
+    }
+
+    fn dims(&self, x: &CpuTensor) -> (usize, usize) {
+        (x.rows, x.cols)
+    }
+
+    fn zeros(&self, rows: usize, cols: usize) -> Result<CpuTensor> {
+        Ok(CpuTensor {
+            data: vec![0.0; rows * cols],
+            rows,
+            cols,
+        })
+    }
+
+    fn rows(&self, x: &CpuTensor, start: usize, len: usize) -> Result<CpuTensor> {
+        if start + len > x.rows {
+            return Err(shape_err("rows", format!("{start}..{} of {} rows", start + len, x.rows)));
+        }
+        Ok(CpuTensor {
+            data: x.data[start * x.cols..(start + len) * x.cols].to_vec(),
+            rows: len,
+            cols: x.cols,
+        })
+    }
+
+    fn write_rows(&self, dst: &mut CpuTensor, row: usize, src: &CpuTensor) -> Result<()> {
+        if src.cols != dst.cols || row + src.rows > dst.rows {
+            return Err(shape_err(
+                "write_rows",
+                format!("[{}, {}] at row {row} into [{}, {}]", src.rows, src.cols, dst.rows, dst.cols),
+            ));
+        }
+        dst.data[row * dst.cols..(row + src.rows) * dst.cols].copy_from_slice(&src.data);
+        Ok(())
+    }
+
+    fn embedding(&self, table: &CpuWeight, ids: &[u32]) -> Result<CpuTensor> {
+        let vocab = table.shape[0];
+        let cols = table.row_len();
+        let mut data = Vec::with_capacity(ids.len() * cols);
+        let mut buf = Vec::new();
+        for &id in ids {
+            if id as usize >= vocab {
+                return Err(Error::InvalidRequest(format!(
+                    "token id {id} is outside the vocabulary of {vocab}"
+                )));
+            }
+            data.extend_from_slice(table.row(id as usize, &mut buf));
+        }
+        Ok(CpuTensor {
+            data,
+            rows: ids.len(),
+            cols,
+        })
+    }
+
+    fn linear(&self, x: &CpuTensor, w: &CpuWeight, bias: Option<&CpuWeight>) -> Result<CpuTensor> {
+        let (out, inner) = match w.shape[..] {
+            [o, i] => (o, i),
+            _ => return Err(shape_err("linear", format!("weight of shape {:?}", w.shape))),
+        };
+        if x.cols != inner {
+            return Err(shape_err("linear", format!("input has {} columns, weight {:?}", x.cols, w.shape)));
+        }
+        if let Some(b) = bias {
+            if b.len() != out {
+                return Err(shape_err("linear", format!("bias of shape {:?} for {out} outputs", b.shape)));
+            }
+        }
+        Ok(ops::linear(x, w, bias))
+    }
+
+    fn rms_norm(&self, x: &CpuTensor, weight: &CpuWeight, eps: f32) -> Result<CpuTensor> {
+        let g = weight.len();
+        if g == 0 || x.cols % g != 0 {
+            return Err(shape_err("rms_norm", format!("{} columns, weight of {g}", x.cols)));
+        }
+        let mut buf = Vec::new();
+        let w = weight.all(&mut buf);
+        let mut out = x.clone();
+        out.data.par_chunks_mut(g).for_each(|group| ops::rms_norm_group(group, w, eps));
+        Ok(out)
+    }
+
+    fn add(&self, a: &CpuTensor, b: &CpuTensor) -> Result<CpuTensor> {
+        self.check_same("add", a, b)?;
+        let mut out = a.clone();
+        out.data.iter_mut().zip(&b.data).for_each(|(o, b)| *o += b);
+        Ok(out)
+    }
+
+    fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> Result<CpuTensor> {
+        self.check_same("silu_mul", gate, up)?;
+        let mut out = gate.clone();
+        out.data
+            .par_iter_mut()
+            .zip(&up.data)
+            .for_each(|(g, u)| *g = *g / (1.0 + (-*g).exp()) * u);
+        Ok(out)
+    }
+
+    fn rope(&self, x: &CpuTensor, cos: &CpuTensor, sin: &CpuTensor) -> Result<CpuTensor> {
+        self.check_same("rope", cos, sin)?;
+        let d = cos.cols;
+        if cos.rows != x.rows || d == 0 || d % 2 != 0 || x.cols % d != 0 {
+            return Err(shape_err(
+                "rope",
+                format!("x [{}, {}] with tables [{}, {d}]", x.rows, x.cols, cos.rows),
+            ));
+        }
+        let mut out = x.clone();
+        out.data.par_chunks_mut(x.cols).enumerate().for_each(|(r, row)| {
+            let (c, s) = (&cos.data[r * d..(r + 1) * d], &sin.data[r * d..(r + 1) * d]);
+            row.chunks_mut(d).for_each(|head| ops::rope_head(head, c, s));
+        });
+        Ok(out)
+    }
+
+    fn attention(&self, q: &CpuTensor, k: &CpuTensor, v: &CpuTensor, s: AttnShape) -> Result<CpuTensor> {
+        let ok = s.kv_heads > 0
+            && s.q_heads % s.kv_heads == 0
+            && q.cols == s.q_heads * s.head_dim
+            && k.cols == s.kv_heads * s.head_dim
+            && (k.rows, k.cols) == (v.rows, v.cols)
+            && s.kv_len <= k.rows
+            && q.rows <= s.kv_len;
+        if !ok {
+            return Err(shape_err(
+                "attention",
+                format!("q [{}, {}], kv [{}, {}], {s:?}", q.rows, q.cols, k.rows, k.cols),
+            ));
+        }
+        Ok(ops::attention(q, k, v, s))
+    }
+
+    fn log_softmax_gather(&self, logits: &CpuTensor, targets: &[u32]) -> Result<Vec<f32>> {
+        if targets.len() != logits.rows || targets.iter().any(|&t| t as usize >= logits.cols) {
+            return Err(shape_err(
+                "log_softmax_gather",
+                format!("{} targets for [{}, {}] logits", targets.len(), logits.rows, logits.cols),
+            ));
+        }
+        Ok(logits
+            .data
+            .par_chunks(logits.cols)
+            .zip(targets)
+            .map(|(row, &t)| ops::log_softmax_at(row, t as usize))
+            .collect())
+    }
+
+    fn argmax(&self, logits: &CpuTensor) -> Result<Vec<u32>> {
+        if logits.cols == 0 {
+            return Err(shape_err("argmax", "zero columns".into()));
+        }
+        Ok(logits.data.chunks(logits.cols).map(ops::argmax).collect())
+    }
+}

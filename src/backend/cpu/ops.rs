@@ -1,0 +1,129 @@
+//! The CPU kernels behind [`super::CpuBackend`], each a plain loop with a fixed reduction order.
+
+use rayon::prelude::*;
+
+use super::{CpuTensor, CpuWeight};
+use crate::backend::AttnShape;
+
+/// Lanes of the dot-product accumulator: wide enough for the compiler to vectorise, fixed so that
+/// the order of additions never depends on the machine or the batch.
+const LANES: usize = 16;
+
+/// `Σ a[i]·b[i]` with `LANES` partial sums combined pairwise.
+#[inline]
+pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    let mut acc = [0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..LANES {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    for (l, (x, y)) in ra.iter().zip(rb).enumerate() {
+        acc[l] += x * y;
+    }
+    let mut width = LANES;
+    while width > 1 {
+        width /= 2;
+        for l in 0..width {
+            acc[l] += acc[l + width];
+        }
+    }
+    acc[0]
+}
+
+/// Output rows of the weight handled by one task (converted to f32 once, then used for every
+/// input row).
+const OUT_BLOCK: usize = 16;
+
+pub(super) fn linear(x: &CpuTensor, w: &CpuWeight, bias: Option<&CpuWeight>) -> CpuTensor {
+    let (n, out) = (x.rows, w.shape[0]);
+    let mut bias_buf = Vec::new();
+    let bias = bias.map(|b| b.all(&mut bias_buf));
+    // Computed transposed ([out, n]) so that each task owns a contiguous slice, then transposed back.
+    let mut yt = vec![0f32; out * n];
+    yt.par_chunks_mut(OUT_BLOCK * n.max(1))
+        .enumerate()
+        .for_each(|(blk, chunk)| {
+            let mut buf = Vec::new();
+            for (j, col) in chunk.chunks_mut(n.max(1)).enumerate() {
+                let o = blk * OUT_BLOCK + j;
+                let wrow = w.row(o, &mut buf);
+                let b = bias.map_or(0.0, |b| b[o]);
+                for (r, y) in col.iter_mut().enumerate().take(n) {
+                    *y = dot(&x.data[r * x.cols..(r + 1) * x.cols], wrow) + b;
+                }
+            }
+        });
+    let mut data = vec![0f32; n * out];
+    for o in 0..out {
+        for r in 0..n {
+            data[r * out + o] = yt[o * n + r];
+        }
+    }
+    CpuTensor { data, rows: n, cols: out }
+}
+
+/// RMSNorm of one group in place, in HF's order: `w · (x · rsqrt(mean(x²) + eps))`.
+pub(super) fn rms_norm_group(x: &mut [f32], w: &[f32], eps: f32) {
+    let var = dot(x, x) / x.len() as f32;
+    let r = 1.0 / (var + eps).sqrt();
+    x.iter_mut().zip(w).for_each(|(v, w)| *v = w * (*v * r));
+}
+
+/// Rotates one head in place: `x·cos + rotate_half(x)·sin` with `rotate_half(x) = [-x₂, x₁]`.
+pub(super) fn rope_head(x: &mut [f32], cos: &[f32], sin: &[f32]) {
+    let half = x.len() / 2;
+    for i in 0..half {
+        let (a, b) = (x[i], x[i + half]);
+        x[i] = a * cos[i] - b * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+/// Causal grouped-query attention; one task per (query row, head).
+pub(super) fn attention(q: &CpuTensor, k: &CpuTensor, v: &CpuTensor, s: AttnShape) -> CpuTensor {
+    let d = s.head_dim;
+    let group = s.q_heads / s.kv_heads;
+    let scale = 1.0 / (d as f32).sqrt();
+    let first = s.kv_len - q.rows;
+    let mut out = vec![0f32; q.rows * q.cols];
+    out.par_chunks_mut(d).enumerate().for_each(|(idx, o)| {
+        let (r, h) = (idx / s.q_heads, idx % s.q_heads);
+        let kvh = h / group;
+        let qv = &q.data[r * q.cols + h * d..r * q.cols + (h + 1) * d];
+        let visible = first + r + 1;
+        let scores: Vec<f32> = (0..visible)
+            .map(|t| dot(qv, &k.data[t * k.cols + kvh * d..t * k.cols + (kvh + 1) * d]) * scale)
+            .collect();
+        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let exps: Vec<f32> = scores.iter().map(|&x| (x - max).exp()).collect();
+        let sum: f32 = exps.iter().sum();
+        for (t, e) in exps.iter().enumerate() {
+            let p = e / sum;
+            let vv = &v.data[t * v.cols + kvh * d..t * v.cols + (kvh + 1) * d];
+            o.iter_mut().zip(vv).for_each(|(o, v)| *o += p * v);
+        }
+    });
+    CpuTensor { data: out, rows: q.rows, cols: q.cols }
+}
+
+/// `log_softmax(row)[t]`, with the normaliser summed in f64.
+pub(super) fn log_softmax_at(row: &[f32], t: usize) -> f32 {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = row.iter().map(|&x| ((x - max) as f64).exp()).sum();
+    ((row[t] - max) as f64 - sum.ln()) as f32
+}
+
+/// Index of the first maximum.
+pub(super) fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in row.iter().enumerate() {
+        if x > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}

@@ -1,0 +1,83 @@
+//! Backends own device buffers and implement the ops the models compose.
+//!
+//! A model is written once against [`Backend`]; the CPU backend ([`cpu::CpuBackend`]) is the f32
+//! reference every other backend is checked against. Ops take and return activations as
+//! [`Backend::Tensor`] (row-major, shape `[rows, cols]`) and read weights as [`Backend::Weight`]
+//! (resident copies or views of checkpoint tensors).
+//!
+//! Contract that makes prefix reuse exact: the result for one row never depends on how many other rows
+//! were computed in the same call (reductions run in a fixed order per row).
+
+pub mod cpu;
+
+use crate::model::loader::TensorRef;
+use crate::Result;
+
+/// Buffers and ops of one compute device.
+pub trait Backend: Send + Sync {
+    /// Activations: a row-major 2-D array of `[rows, cols]`.
+    type Tensor;
+    /// A weight tensor loaded from a checkpoint (any supported dtype).
+    type Weight;
+
+    /// Short name for logs and errors ("cpu", "cuda").
+    fn name(&self) -> &'static str;
+
+    /// Makes a checkpoint tensor available to the ops (a view on CPU, a copy on a device).
+    fn load_weight(&self, tensor: &TensorRef) -> Result<Self::Weight>;
+    /// The shape of a loaded weight.
+    fn weight_shape<'w>(&self, weight: &'w Self::Weight) -> &'w [usize];
+
+    /// Copies host data into a new `[rows, cols]` tensor.
+    fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Result<Self::Tensor>;
+    /// Copies a tensor back to the host, row-major.
+    fn download(&self, x: &Self::Tensor) -> Result<Vec<f32>>;
+    /// `(rows, cols)` of a tensor.
+    fn dims(&self, x: &Self::Tensor) -> (usize, usize);
+    /// A zero-filled `[rows, cols]` tensor.
+    fn zeros(&self, rows: usize, cols: usize) -> Result<Self::Tensor>;
+    /// Rows `start..start + len` of `x` as a new tensor.
+    fn rows(&self, x: &Self::Tensor, start: usize, len: usize) -> Result<Self::Tensor>;
+    /// Writes `src` into `dst` starting at row `row` (same number of columns).
+    fn write_rows(&self, dst: &mut Self::Tensor, row: usize, src: &Self::Tensor) -> Result<()>;
+
+    /// Gathers rows `ids` of an embedding table `[vocab, hidden]`.
+    fn embedding(&self, table: &Self::Weight, ids: &[u32]) -> Result<Self::Tensor>;
+    /// `x · Wᵀ (+ bias)` for `x: [n, in]`, `W: [out, in]`, `bias: [out]`.
+    fn linear(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        bias: Option<&Self::Weight>,
+    ) -> Result<Self::Tensor>;
+    /// RMSNorm over groups of `weight.len()` consecutive columns (one group per row for the
+    /// hidden norm, one per head for q/k norms): `x / sqrt(mean(x²) + eps) · weight`.
+    fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Weight, eps: f32) -> Result<Self::Tensor>;
+    /// Elementwise `a + b`.
+    fn add(&self, a: &Self::Tensor, b: &Self::Tensor) -> Result<Self::Tensor>;
+    /// SwiGLU: `silu(gate) · up`.
+    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor>;
+    /// Rotary embedding of `x: [n, heads · head_dim]` with per-row tables `cos, sin: [n, head_dim]`
+    /// (HF's `rotate_half` convention: the two halves of each head are the pair).
+    fn rope(&self, x: &Self::Tensor, cos: &Self::Tensor, sin: &Self::Tensor) -> Result<Self::Tensor>;
+    /// Causal attention of `q: [n, q_heads · head_dim]` over the first `kv_len` rows of
+    /// `k, v: [capacity, kv_heads · head_dim]`; query row `i` sits at cache row `kv_len - n + i` and
+    /// attends to rows `0..=kv_len - n + i`. Grouped-query: q head `h` reads kv head
+    /// `h / (q_heads / kv_heads)`.
+    fn attention(&self, q: &Self::Tensor, k: &Self::Tensor, v: &Self::Tensor, shape: AttnShape)
+        -> Result<Self::Tensor>;
+    /// Per-row log-softmax of `logits: [n, vocab]` gathered at `targets[i]`.
+    fn log_softmax_gather(&self, logits: &Self::Tensor, targets: &[u32]) -> Result<Vec<f32>>;
+    /// Per-row index of the maximum (the first one on ties, as `torch.argmax`).
+    fn argmax(&self, logits: &Self::Tensor) -> Result<Vec<u32>>;
+}
+
+/// Shape parameters of an attention call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttnShape {
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Rows of the cache that are valid after this call's K/V were written.
+    pub kv_len: usize,
+}

@@ -1,0 +1,102 @@
+//! Greedy generation: prefill the prompt, then decode one token at a time until an end-of-sequence id,
+//! a stop string or the token limit.
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::model::{LogitsFor, Positions, TextModel};
+use crate::tokenize::Tokenizer;
+
+/// What to generate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GenerateParams {
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Token ids that end generation (kept in the output, as HF does).
+    pub eos_token_ids: Vec<u32>,
+    /// Strings that end generation once the decoded output contains them (needs a tokenizer).
+    pub stop_strings: Vec<String>,
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token was produced.
+    Eos,
+    /// The decoded output contains this stop string.
+    Stop(String),
+    /// `max_tokens` were produced.
+    Length,
+}
+
+/// The result of [`generate`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Generation {
+    /// The generated token ids (the ending eos or stop-string tokens included).
+    pub tokens: Vec<u32>,
+    /// The decoded text, when a tokenizer was given.
+    pub text: Option<String>,
+    pub finish: FinishReason,
+}
+
+/// Greedily continues the text-only prompt `prompt`.
+///
+/// ```no_run
+/// use recall::{backend::cpu::CpuBackend, engine::{generate, GenerateParams}, model::QwenVl};
+/// let be = CpuBackend;
+/// let model = QwenVl::load(&be, std::path::Path::new("tests/fixtures/tiny-qwen3-vl"))?;
+/// let params = GenerateParams { max_tokens: 16, eos_token_ids: model.config.eos_token_ids.clone(), stop_strings: vec![] };
+/// let out = generate(&be, &model.text, &[1, 2, 3], &params, None)?;
+/// println!("{:?}", out.tokens);
+/// # Ok::<(), recall::Error>(())
+/// ```
+pub fn generate<B: Backend>(
+    be: &B,
+    model: &TextModel<B>,
+    prompt: &[u32],
+    params: &GenerateParams,
+    tokenizer: Option<&Tokenizer>,
+) -> Result<Generation> {
+    if prompt.is_empty() {
+        return Err(Error::InvalidRequest("the prompt is empty".into()));
+    }
+    if !params.stop_strings.is_empty() && tokenizer.is_none() {
+        return Err(Error::InvalidRequest("stop strings need a tokenizer".into()));
+    }
+    let limit = model.config().max_position_embeddings;
+    let needed = prompt.len() + params.max_tokens;
+    if needed > limit {
+        return Err(Error::PromptTooLong { tokens: needed, limit });
+    }
+    let mut cache = model.new_cache(be, needed)?;
+    let mut tokens = Vec::new();
+    let mut input = prompt.to_vec();
+    let finish = loop {
+        if tokens.len() == params.max_tokens {
+            break FinishReason::Length;
+        }
+        let pos = Positions::text(cache.len() as i64, input.len());
+        let out = model.forward(be, &input, &pos, &mut cache, LogitsFor::Last, false)?;
+        let next = be.argmax(&out.logits)?[0];
+        tokens.push(next);
+        if params.eos_token_ids.contains(&next) {
+            break FinishReason::Eos;
+        }
+        if let Some(stop) = find_stop(tokenizer, &tokens, &params.stop_strings)? {
+            break FinishReason::Stop(stop);
+        }
+        input = vec![next];
+    };
+    let text = tokenizer.map(|t| t.decode(&tokens)).transpose()?;
+    Ok(Generation {
+        tokens,
+        text,
+        finish,
+    })
+}
+
+/// The first stop string the decoded `tokens` contain.
+fn find_stop(tokenizer: Option<&Tokenizer>, tokens: &[u32], stops: &[String]) -> Result<Option<String>> {
+    let Some(tok) = tokenizer.filter(|_| !stops.is_empty()) else { return Ok(None) };
+    let text = tok.decode(tokens)?;
+    Ok(stops.iter().find(|s| text.contains(s.as_str())).cloned())
+}

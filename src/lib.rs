@@ -1,0 +1,13 @@
+//! recall: an inference engine for long-horizon GUI agents on Qwen-VL models.
+//!
+//! Layers, from the bottom: [`backend`] (buffers and ops), [`model`] (configs, weight loading, the
+//! Qwen-VL architectures), [`tokenize`] (tokenizer and chat rendering), [`engine`] (generation and
+//! scoring). Dependencies point down only.
+
+pub mod backend;
+pub mod engine;
+pub mod error;
+pub mod model;
+pub mod tokenize;
+
+pub use error::{Error, Result};

@@ -1,0 +1,6 @@
+//! Text to token ids and back: the Qwen BPE tokenizer and the chat templates of the supported families.
+
+pub mod chat;
+mod tokenizer;
+
+pub use tokenizer::Tokenizer;
