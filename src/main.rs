@@ -9,7 +9,11 @@ use recall::engine::Pipeline;
 use recall::tokenize::chat::parse_messages;
 
 #[derive(Parser)]
-#[command(name = "recall", version, about = "An inference engine for long-horizon GUI agents on Qwen-VL models")]
+#[command(
+    name = "recall",
+    version,
+    about = "An inference engine for long-horizon GUI agents on Qwen-VL models"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -87,13 +91,24 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match Cli::parse().command {
-        Command::Generate { model, prompt, max_tokens, stop, json } => {
+        Command::Generate {
+            model,
+            prompt,
+            max_tokens,
+            stop,
+            json,
+        } => {
             let p = load(&model)?;
             let ids = p.encode_chat(&[recall::tokenize::chat::ChatMessage::text("user", prompt)], true)?;
             let start = std::time::Instant::now();
             let out = p.generate_ids(&ids, max_tokens, &stop)?;
             let secs = start.elapsed().as_secs_f64();
-            tracing::info!(prompt_tokens = ids.len(), new_tokens = out.tokens.len(), secs, "generated");
+            tracing::info!(
+                prompt_tokens = ids.len(),
+                new_tokens = out.tokens.len(),
+                secs,
+                "generated"
+            );
             if json {
                 let v = serde_json::json!({
                     "prompt_tokens": ids.len(),
@@ -110,9 +125,18 @@ fn main() -> Result<()> {
             let p = load(&model)?;
             let r = p.prompt_logits(&read_messages(&messages)?)?;
             recall::engine::pipeline::write_logits(&out, &r)?;
-            eprintln!("wrote {} positions x {} logits to {}", r.input_ids.len(), r.vocab, out.display());
+            eprintln!(
+                "wrote {} positions x {} logits to {}",
+                r.input_ids.len(),
+                r.vocab,
+                out.display()
+            );
         }
-        Command::Score { model, messages, target } => {
+        Command::Score {
+            model,
+            messages,
+            target,
+        } => {
             let p = load(&model)?;
             let s = p.score_reply(&read_messages(&messages)?, &target)?;
             let v = serde_json::json!({

@@ -44,12 +44,8 @@ pub trait Backend: Send + Sync {
     /// Gathers rows `ids` of an embedding table `[vocab, hidden]`.
     fn embedding(&self, table: &Self::Weight, ids: &[u32]) -> Result<Self::Tensor>;
     /// `x · Wᵀ (+ bias)` for `x: [n, in]`, `W: [out, in]`, `bias: [out]`.
-    fn linear(
-        &self,
-        x: &Self::Tensor,
-        w: &Self::Weight,
-        bias: Option<&Self::Weight>,
-    ) -> Result<Self::Tensor>;
+    fn linear(&self, x: &Self::Tensor, w: &Self::Weight, bias: Option<&Self::Weight>)
+        -> Result<Self::Tensor>;
     /// RMSNorm over groups of `weight.len()` consecutive columns (one group per row for the
     /// hidden norm, one per head for q/k norms): `x / sqrt(mean(x²) + eps) · weight`.
     fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Weight, eps: f32) -> Result<Self::Tensor>;
@@ -64,12 +60,66 @@ pub trait Backend: Send + Sync {
     /// `k, v: [capacity, kv_heads · head_dim]`; query row `i` sits at cache row `kv_len - n + i` and
     /// attends to rows `0..=kv_len - n + i`. Grouped-query: q head `h` reads kv head
     /// `h / (q_heads / kv_heads)`.
-    fn attention(&self, q: &Self::Tensor, k: &Self::Tensor, v: &Self::Tensor, shape: AttnShape)
-        -> Result<Self::Tensor>;
+    fn attention(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        shape: AttnShape,
+    ) -> Result<Self::Tensor>;
+    /// LayerNorm over each row: `(x - mean) / sqrt(var + eps) · weight + bias`.
+    fn layer_norm(
+        &self,
+        x: &Self::Tensor,
+        weight: &Self::Weight,
+        bias: &Self::Weight,
+        eps: f32,
+    ) -> Result<Self::Tensor>;
+    /// Elementwise GELU, `Tanh` (gelu_pytorch_tanh) or `Erf` (nn.GELU()).
+    fn gelu(&self, x: &Self::Tensor, kind: Gelu) -> Result<Self::Tensor>;
+    /// Non-causal attention within segments (varlen): rows `cu_seqlens[s]..cu_seqlens[s + 1]` attend
+    /// to each other only. `q, k, v: [n, heads · head_dim]`.
+    fn attention_segments(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        heads: usize,
+        cu_seqlens: &[usize],
+    ) -> Result<Self::Tensor>;
+    /// The same data viewed as `[rows, cols]` (row-major; `rows · cols` must be unchanged).
+    fn reshape(&self, x: Self::Tensor, rows: usize, cols: usize) -> Result<Self::Tensor>;
+    /// Rows `index[i]` of `x`, in that order.
+    fn gather_rows(&self, x: &Self::Tensor, index: &[usize]) -> Result<Self::Tensor>;
+    /// `dst[index[i]] = src[i]` (`accumulate` false) or `dst[index[i]] += src[i]` (true).
+    fn scatter_rows(
+        &self,
+        dst: &mut Self::Tensor,
+        index: &[usize],
+        src: &Self::Tensor,
+        accumulate: bool,
+    ) -> Result<()>;
+    /// `out[i] = Σ_j weights[i·taps + j] · table[indices[i·taps + j]]` (interpolated embeddings).
+    fn weighted_embedding(
+        &self,
+        table: &Self::Weight,
+        indices: &[u32],
+        weights: &[f32],
+        taps: usize,
+    ) -> Result<Self::Tensor>;
     /// Per-row log-softmax of `logits: [n, vocab]` gathered at `targets[i]`.
     fn log_softmax_gather(&self, logits: &Self::Tensor, targets: &[u32]) -> Result<Vec<f32>>;
     /// Per-row index of the maximum (the first one on ties, as `torch.argmax`).
     fn argmax(&self, logits: &Self::Tensor) -> Result<Vec<u32>>;
+}
+
+/// The two GELU variants of the Qwen-VL vision towers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gelu {
+    /// `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))` (`gelu_pytorch_tanh`).
+    Tanh,
+    /// `0.5·x·(1 + erf(x/√2))` (`nn.GELU()`).
+    Erf,
 }
 
 /// Shape parameters of an attention call.

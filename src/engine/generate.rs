@@ -65,7 +65,10 @@ pub fn generate<B: Backend>(
     let limit = model.config().max_position_embeddings;
     let needed = prompt.len() + params.max_tokens;
     if needed > limit {
-        return Err(Error::PromptTooLong { tokens: needed, limit });
+        return Err(Error::PromptTooLong {
+            tokens: needed,
+            limit,
+        });
     }
     let mut cache = model.new_cache(be, needed)?;
     let mut tokens = Vec::new();
@@ -87,16 +90,14 @@ pub fn generate<B: Backend>(
         input = vec![next];
     };
     let text = tokenizer.map(|t| t.decode(&tokens)).transpose()?;
-    Ok(Generation {
-        tokens,
-        text,
-        finish,
-    })
+    Ok(Generation { tokens, text, finish })
 }
 
 /// The first stop string the decoded `tokens` contain.
 fn find_stop(tokenizer: Option<&Tokenizer>, tokens: &[u32], stops: &[String]) -> Result<Option<String>> {
-    let Some(tok) = tokenizer.filter(|_| !stops.is_empty()) else { return Ok(None) };
+    let Some(tok) = tokenizer.filter(|_| !stops.is_empty()) else {
+        return Ok(None);
+    };
     let text = tok.decode(tokens)?;
     Ok(stops.iter().find(|s| text.contains(s.as_str())).cloned())
 }

@@ -81,13 +81,24 @@ impl<B: Backend> Pipeline<B> {
     }
 
     /// Greedy generation after the given token ids.
-    pub fn generate_ids(&self, prompt: &[u32], max_tokens: usize, stop_strings: &[String]) -> Result<Generation> {
+    pub fn generate_ids(
+        &self,
+        prompt: &[u32],
+        max_tokens: usize,
+        stop_strings: &[String],
+    ) -> Result<Generation> {
         let params = GenerateParams {
             max_tokens,
             eos_token_ids: self.eos_token_ids(),
             stop_strings: stop_strings.to_vec(),
         };
-        generate(&self.backend, &self.model.text, prompt, &params, Some(&self.tokenizer))
+        generate(
+            &self.backend,
+            &self.model.text,
+            prompt,
+            &params,
+            Some(&self.tokenizer),
+        )
     }
 
     /// Greedy answer to one user message (rendered with the chat template).
@@ -107,7 +118,10 @@ impl<B: Backend> Pipeline<B> {
         }
         let limit = text.config().max_position_embeddings;
         if input_ids.len() > limit {
-            return Err(Error::PromptTooLong { tokens: input_ids.len(), limit });
+            return Err(Error::PromptTooLong {
+                tokens: input_ids.len(),
+                limit,
+            });
         }
         let mut cache = text.new_cache(be, input_ids.len())?;
         let pos = Positions::text(0, input_ids.len());
@@ -130,7 +144,11 @@ impl<B: Backend> Pipeline<B> {
 /// Writes `input_ids` (I64, `[seq]`) and `logits` (F32, `[seq, vocab]`) to a safetensors file.
 pub fn write_logits(path: &Path, r: &PromptLogits) -> Result<()> {
     use safetensors::tensor::{Dtype, TensorView};
-    let ids: Vec<u8> = r.input_ids.iter().flat_map(|&i| (i as i64).to_le_bytes()).collect();
+    let ids: Vec<u8> = r
+        .input_ids
+        .iter()
+        .flat_map(|&i| (i as i64).to_le_bytes())
+        .collect();
     let logits: Vec<u8> = r.logits.iter().flat_map(|x| x.to_le_bytes()).collect();
     let seq = r.input_ids.len();
     let bad = |e: safetensors::SafeTensorError| Error::Safetensors {
@@ -138,8 +156,14 @@ pub fn write_logits(path: &Path, r: &PromptLogits) -> Result<()> {
         message: e.to_string(),
     };
     let tensors = [
-        ("input_ids", TensorView::new(Dtype::I64, vec![seq], &ids).map_err(bad)?),
-        ("logits", TensorView::new(Dtype::F32, vec![seq, r.vocab], &logits).map_err(bad)?),
+        (
+            "input_ids",
+            TensorView::new(Dtype::I64, vec![seq], &ids).map_err(bad)?,
+        ),
+        (
+            "logits",
+            TensorView::new(Dtype::F32, vec![seq, r.vocab], &logits).map_err(bad)?,
+        ),
     ];
     let bytes = safetensors::serialize(tensors, &None).map_err(bad)?;
     std::fs::write(path, bytes).map_err(|e| Error::io(path, e))

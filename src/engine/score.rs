@@ -27,12 +27,17 @@ pub struct Score {
 /// ```
 pub fn score<B: Backend>(be: &B, model: &TextModel<B>, prompt: &[u32], target: &[u32]) -> Result<Score> {
     if prompt.is_empty() || target.is_empty() {
-        return Err(Error::InvalidRequest("scoring needs a non-empty prompt and target".into()));
+        return Err(Error::InvalidRequest(
+            "scoring needs a non-empty prompt and target".into(),
+        ));
     }
     let ids: Vec<u32> = prompt.iter().chain(target).copied().collect();
     let limit = model.config().max_position_embeddings;
     if ids.len() > limit {
-        return Err(Error::PromptTooLong { tokens: ids.len(), limit });
+        return Err(Error::PromptTooLong {
+            tokens: ids.len(),
+            limit,
+        });
     }
     let mut cache = model.new_cache(be, ids.len())?;
     let pos = Positions::text(0, ids.len());

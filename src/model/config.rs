@@ -67,9 +67,17 @@ impl<'a> Doc<'a> {
     /// Looks `key` up in `scopes` in order (e.g. `text_config`, then the top level).
     fn find(&self, scopes: &[&str], key: &str) -> Option<(String, &'a Value)> {
         scopes.iter().find_map(|scope| {
-            let obj = if scope.is_empty() { Some(self.root) } else { self.root.get(*scope) };
+            let obj = if scope.is_empty() {
+                Some(self.root)
+            } else {
+                self.root.get(*scope)
+            };
             let v = obj?.get(key)?;
-            let name = if scope.is_empty() { key.to_string() } else { format!("{scope}.{key}") };
+            let name = if scope.is_empty() {
+                key.to_string()
+            } else {
+                format!("{scope}.{key}")
+            };
             (!v.is_null()).then_some((name, v))
         })
     }
@@ -90,7 +98,7 @@ impl<'a> Doc<'a> {
 
     fn usize(&self, scopes: &[&str], key: &str) -> Result<usize> {
         self.usize_opt(scopes, key)?
-            .ok_or_else(|| self.err(&format!("{}.{key}", scopes[0]).trim_start_matches('.').to_string(), "missing"))
+            .ok_or_else(|| self.err(format!("{}.{key}", scopes[0]).trim_start_matches('.'), "missing"))
     }
 
     fn f32_opt(&self, scopes: &[&str], key: &str) -> Result<Option<f32>> {
@@ -115,7 +123,9 @@ impl<'a> Doc<'a> {
 
     /// Token ids given as an integer or a list of integers.
     fn ids_opt(&self, scopes: &[&str], key: &str) -> Result<Option<Vec<u32>>> {
-        let Some((name, v)) = self.find(scopes, key) else { return Ok(None) };
+        let Some((name, v)) = self.find(scopes, key) else {
+            return Ok(None);
+        };
         let bad = || self.err(&name, format!("expected a token id or a list of ids, found {v}"));
         match v {
             Value::Number(n) => n.as_u64().map(|n| Some(vec![n as u32])).ok_or_else(bad),
@@ -146,7 +156,10 @@ impl ModelConfig {
         if gen_path.exists() {
             let gen = std::fs::read_to_string(&gen_path).map_err(|e| Error::io(&gen_path, e))?;
             let root: Value = serde_json::from_str(&gen).map_err(|e| Error::json(&gen_path, "", e))?;
-            let doc = Doc { path: &gen_path, root: &root };
+            let doc = Doc {
+                path: &gen_path,
+                root: &root,
+            };
             if let Some(ids) = doc.ids_opt(&[""], "eos_token_id")? {
                 cfg.eos_token_ids = ids;
             }
@@ -176,11 +189,16 @@ impl ModelConfig {
             }
         };
         if family == Family::Qwen3Vl && root.get("text_config").is_none() {
-            return Err(doc.err("text_config", "missing (qwen3_vl nests the decoder settings there)"));
+            return Err(doc.err(
+                "text_config",
+                "missing (qwen3_vl nests the decoder settings there)",
+            ));
         }
         let text = parse_text(&doc, family)?;
         let top = &[""];
-        let eos = doc.ids_opt(&["text_config", ""], "eos_token_id")?.unwrap_or_default();
+        let eos = doc
+            .ids_opt(&["text_config", ""], "eos_token_id")?
+            .unwrap_or_default();
         Ok(ModelConfig {
             family,
             text,
@@ -207,7 +225,10 @@ fn parse_text(doc: &Doc, family: Family) -> Result<TextConfig> {
     }
     let head_dim = doc.usize_opt(s, "head_dim")?.unwrap_or(hidden_size / heads);
     if head_dim == 0 || head_dim % 2 != 0 {
-        return Err(doc.err("text_config.head_dim", format!("{head_dim} is not a positive even number")));
+        return Err(doc.err(
+            "text_config.head_dim",
+            format!("{head_dim} is not a positive even number"),
+        ));
     }
     let (rope_theta, mrope_section, interleaved) = parse_rope(doc, family, head_dim)?;
     Ok(TextConfig {
@@ -231,25 +252,31 @@ fn parse_text(doc: &Doc, family: Family) -> Result<TextConfig> {
             Family::Qwen25Vl => true,
             Family::Qwen3Vl => doc.bool_opt(s, "attention_bias")?.unwrap_or(false),
         },
-        max_position_embeddings: doc.usize_opt(s, "max_position_embeddings")?.unwrap_or(match family {
-            Family::Qwen3Vl => 128_000,
-            Family::Qwen25Vl => 32_768,
-        }),
+        max_position_embeddings: doc
+            .usize_opt(s, "max_position_embeddings")?
+            .unwrap_or(match family {
+                Family::Qwen3Vl => 128_000,
+                Family::Qwen25Vl => 32_768,
+            }),
     })
 }
 
 /// RoPE settings from `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta` (4.x).
 fn parse_rope(doc: &Doc, family: Family, head_dim: usize) -> Result<(f32, [usize; 3], bool)> {
     let s: &[&str] = &["text_config", ""];
-    let (field, params) = match doc.find(s, "rope_parameters").or_else(|| doc.find(s, "rope_scaling")) {
+    let (field, params) = match doc
+        .find(s, "rope_parameters")
+        .or_else(|| doc.find(s, "rope_scaling"))
+    {
         Some((name, v)) if v.is_object() => (name, Some(v)),
         Some((name, v)) => return Err(doc.err(&name, format!("expected an object, found {v}"))),
         None => (String::new(), None),
     };
     let theta = match params.and_then(|p| p.get("rope_theta")) {
-        Some(v) => v
-            .as_f64()
-            .ok_or_else(|| doc.err(&format!("{field}.rope_theta"), "not a number"))? as f32,
+        Some(v) => {
+            v.as_f64()
+                .ok_or_else(|| doc.err(&format!("{field}.rope_theta"), "not a number"))? as f32
+        }
         None => doc.f32_opt(s, "rope_theta")?.unwrap_or(match family {
             Family::Qwen3Vl => 5_000_000.0,
             Family::Qwen25Vl => 1_000_000.0,
@@ -257,9 +284,18 @@ fn parse_rope(doc: &Doc, family: Family, head_dim: usize) -> Result<(f32, [usize
     };
     let section = match params.and_then(|p| p.get("mrope_section")) {
         Some(v) => {
-            let bad = || doc.err(&format!("{field}.mrope_section"), format!("expected three integers, found {v}"));
+            let bad = || {
+                doc.err(
+                    &format!("{field}.mrope_section"),
+                    format!("expected three integers, found {v}"),
+                )
+            };
             let a = v.as_array().ok_or_else(bad)?;
-            let n: Vec<usize> = a.iter().map(|x| x.as_u64().map(|x| x as usize)).collect::<Option<_>>().ok_or_else(bad)?;
+            let n: Vec<usize> = a
+                .iter()
+                .map(|x| x.as_u64().map(|x| x as usize))
+                .collect::<Option<_>>()
+                .ok_or_else(bad)?;
             <[usize; 3]>::try_from(n).map_err(|_| bad())?
         }
         None => match family {

@@ -72,6 +72,47 @@ impl TensorRef {
         (&self.file, self.start..self.end)
     }
 
+    /// The same data viewed with another shape of equal element count (e.g. a Conv3d kernel
+    /// `[out, c, t, p, p]` as the matrix `[out, c·t·p·p]`).
+    pub fn reshaped(&self, shape: &[usize]) -> Result<TensorRef> {
+        if shape.iter().product::<usize>() != self.numel() {
+            return Err(Error::ShapeMismatch {
+                name: self.name.clone(),
+                path: self.path().to_path_buf(),
+                expected: shape.to_vec(),
+                actual: self.shape.clone(),
+            });
+        }
+        Ok(TensorRef {
+            shape: shape.to_vec(),
+            ..self.clone()
+        })
+    }
+
+    /// Rows `start..start + len` of the first dimension, as a view (e.g. the q, k or v part of a
+    /// fused qkv projection).
+    pub fn slice_rows(&self, start: usize, len: usize) -> Result<TensorRef> {
+        let rows = *self.shape.first().unwrap_or(&0);
+        if start + len > rows {
+            return Err(Error::ShapeMismatch {
+                name: format!("{}[{start}..{}]", self.name, start + len),
+                path: self.path().to_path_buf(),
+                expected: vec![start + len],
+                actual: self.shape.clone(),
+            });
+        }
+        let row_bytes = self.shape[1..].iter().product::<usize>() * self.dtype.size();
+        let mut shape = self.shape.clone();
+        shape[0] = len;
+        Ok(TensorRef {
+            name: format!("{}[{start}..{}]", self.name, start + len),
+            shape,
+            start: self.start + start * row_bytes,
+            end: self.start + (start + len) * row_bytes,
+            ..self.clone()
+        })
+    }
+
     /// Errors unless the shape is `expected`.
     pub fn expect_shape(&self, expected: &[usize]) -> Result<()> {
         if self.shape != expected {
@@ -157,9 +198,9 @@ impl Checkpoint {
         let dir = index.parent().unwrap_or(Path::new("."));
         let mut files: Vec<PathBuf> = Vec::new();
         for (name, file) in map {
-            let file = file.as_str().ok_or_else(|| {
-                Error::json(index, format!("weight_map.{name}"), "not a string")
-            })?;
+            let file = file
+                .as_str()
+                .ok_or_else(|| Error::json(index, format!("weight_map.{name}"), "not a string"))?;
             let path = dir.join(file);
             if !files.contains(&path) {
                 files.push(path);
@@ -223,13 +264,21 @@ fn parse_file(path: &Path) -> Result<Vec<TensorRef>> {
     // A file truncated by another process after mapping is outside what we can defend against.
     let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
     if mmap.len() < 8 {
-        return Err(bad(format!("file is {} bytes, shorter than the 8-byte header length", mmap.len())));
+        return Err(bad(format!(
+            "file is {} bytes, shorter than the 8-byte header length",
+            mmap.len()
+        )));
     }
     let header_len = u64::from_le_bytes(mmap[..8].try_into().expect("8 bytes")) as usize;
     let data_start = 8usize
         .checked_add(header_len)
         .filter(|&end| end <= mmap.len())
-        .ok_or_else(|| bad(format!("header length {header_len} exceeds the file size {}", mmap.len())))?;
+        .ok_or_else(|| {
+            bad(format!(
+                "header length {header_len} exceeds the file size {}",
+                mmap.len()
+            ))
+        })?;
     let header: BTreeMap<String, Value> = serde_json::from_slice(&mmap[8..data_start])
         .map_err(|e| bad(format!("header is not valid JSON: {e}")))?;
     let data_len = mmap.len() - data_start;

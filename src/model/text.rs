@@ -131,7 +131,11 @@ impl<B: Backend> Loader<'_, B> {
     fn linear(&self, prefix: &str, out: usize, inp: usize, bias: bool) -> Result<Linear<B>> {
         Ok(Linear {
             weight: self.weight(&format!("{prefix}.weight"), &[out, inp])?,
-            bias: if bias { Some(self.weight(&format!("{prefix}.bias"), &[out])?) } else { None },
+            bias: if bias {
+                Some(self.weight(&format!("{prefix}.bias"), &[out])?)
+            } else {
+                None
+            },
         })
     }
 }

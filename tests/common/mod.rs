@@ -8,7 +8,9 @@ use safetensors::{Dtype, SafeTensors};
 
 /// `tests/fixtures/<name>`.
 pub fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
 }
 
 /// Reference tensors of one fixture model.
@@ -35,16 +37,24 @@ impl Reference {
     /// An F32 tensor as `(data, shape)`.
     pub fn f32(&self, name: &str) -> (Vec<f32>, Vec<usize>) {
         let st = self.tensors();
-        let t = st.tensor(name).unwrap_or_else(|_| panic!("reference tensor {name}"));
+        let t = st
+            .tensor(name)
+            .unwrap_or_else(|_| panic!("reference tensor {name}"));
         assert_eq!(t.dtype(), Dtype::F32, "{name}");
-        let data = t.data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+        let data = t
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
         (data, t.shape().to_vec())
     }
 
     /// An I64 tensor as u32 ids.
     pub fn ids(&self, name: &str) -> Vec<u32> {
         let st = self.tensors();
-        let t = st.tensor(name).unwrap_or_else(|_| panic!("reference tensor {name}"));
+        let t = st
+            .tensor(name)
+            .unwrap_or_else(|_| panic!("reference tensor {name}"));
         assert_eq!(t.dtype(), Dtype::I64, "{name}");
         t.data()
             .chunks_exact(8)

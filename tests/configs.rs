@@ -1,0 +1,126 @@
+//! The bundled hub configs parse into the values of ../shared/REFERENCE_NOTES.md's model table, and the
+//! RoPE layouts of both transformers generations (`rope_scaling` and `rope_parameters`) are read alike.
+
+use std::path::Path;
+
+use recall::model::{Family, ModelConfig};
+
+fn load(name: &str) -> ModelConfig {
+    ModelConfig::from_dir(&Path::new(env!("CARGO_MANIFEST_DIR")).join("models").join(name)).unwrap()
+}
+
+#[test]
+fn qwen3_vl_8b_and_gui_owl() {
+    for name in ["qwen3-vl-8b-instruct", "gui-owl-1.5-8b-instruct"] {
+        let c = load(name);
+        let t = &c.text;
+        assert_eq!(c.family, Family::Qwen3Vl);
+        assert_eq!(
+            (t.hidden_size, t.intermediate_size, t.num_hidden_layers),
+            (4096, 12288, 36),
+            "{name}"
+        );
+        assert_eq!(
+            (t.num_attention_heads, t.num_key_value_heads, t.head_dim),
+            (32, 8, 128),
+            "{name}"
+        );
+        assert!(t.qk_norm && !t.qkv_bias, "{name}");
+        assert_eq!(
+            (t.rope_theta, t.mrope_section, t.mrope_interleaved),
+            (5e6, [24, 20, 20], true),
+            "{name}"
+        );
+        assert_eq!(t.vocab_size, 151936);
+        assert_eq!(c.image_token_id, Some(151655));
+        assert_eq!(
+            (c.vision_start_token_id, c.vision_end_token_id),
+            (Some(151652), Some(151653))
+        );
+        assert_eq!(
+            c.eos_token_ids,
+            vec![151645, 151643],
+            "{name}: generation_config eos"
+        );
+        let v = c.vision.as_ref().unwrap();
+        assert_eq!(
+            (v["depth"].as_u64(), v["hidden_size"].as_u64()),
+            (Some(27), Some(1152))
+        );
+        assert_eq!(v["deepstack_visual_indexes"], serde_json::json!([8, 16, 24]));
+    }
+}
+
+#[test]
+fn qwen3_vl_2b() {
+    let c = load("qwen3-vl-2b-instruct");
+    let t = &c.text;
+    assert_eq!(
+        (t.hidden_size, t.intermediate_size, t.num_hidden_layers),
+        (2048, 6144, 28)
+    );
+    assert_eq!(
+        (t.num_attention_heads, t.num_key_value_heads, t.head_dim),
+        (16, 8, 128)
+    );
+    assert_eq!(
+        c.vision.as_ref().unwrap()["deepstack_visual_indexes"],
+        serde_json::json!([5, 11, 17])
+    );
+}
+
+#[test]
+fn qwen2_5_vl_7b() {
+    let c = load("qwen2.5-vl-7b-instruct");
+    let t = &c.text;
+    assert_eq!(c.family, Family::Qwen25Vl);
+    assert_eq!(
+        (t.hidden_size, t.intermediate_size, t.num_hidden_layers),
+        (3584, 18944, 28)
+    );
+    assert_eq!(
+        (t.num_attention_heads, t.num_key_value_heads, t.head_dim),
+        (28, 4, 128)
+    );
+    assert!(!t.qk_norm && t.qkv_bias);
+    assert_eq!(
+        (t.rope_theta, t.mrope_section, t.mrope_interleaved),
+        (1e6, [16, 24, 24], false)
+    );
+    let v = c.vision.as_ref().unwrap();
+    assert_eq!(v["fullatt_block_indexes"], serde_json::json!([7, 15, 23, 31]));
+}
+
+#[test]
+fn rope_parameters_and_rope_scaling_agree() {
+    let path = Path::new("config.json");
+    let old = r#"{"model_type": "qwen3_vl", "text_config": {"vocab_size": 10, "hidden_size": 64,
+        "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "rope_theta": 1000.0,
+        "rope_scaling": {"rope_type": "default", "mrope_section": [6, 5, 5], "mrope_interleaved": true}}}"#;
+    let new = r#"{"model_type": "qwen3_vl", "text_config": {"vocab_size": 10, "hidden_size": 64,
+        "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0, "mrope_section": [6, 5, 5],
+        "mrope_interleaved": true}}}"#;
+    let a = ModelConfig::from_json(old, path).unwrap();
+    let b = ModelConfig::from_json(new, path).unwrap();
+    assert_eq!(a, b);
+    assert_eq!(a.text.rope_theta, 1000.0);
+}
+
+#[test]
+fn qwen2_5_vl_flat_and_nested_agree() {
+    let path = Path::new("config.json");
+    let flat = r#"{"model_type": "qwen2_5_vl", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 8,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "rope_theta": 1e6,
+        "rms_norm_eps": 1e-6, "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]}}"#;
+    let nested = r#"{"model_type": "qwen2_5_vl", "text_config": {"vocab_size": 10, "hidden_size": 64,
+        "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 6, 6]}}}"#;
+    assert_eq!(
+        ModelConfig::from_json(flat, path).unwrap(),
+        ModelConfig::from_json(nested, path).unwrap()
+    );
+}
