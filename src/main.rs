@@ -6,7 +6,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use recall::backend::cpu::CpuBackend;
 use recall::engine::Pipeline;
-use recall::tokenize::chat::parse_messages;
+use recall::tokenize::chat::{parse_messages, ChatMessage};
 
 #[derive(Parser)]
 #[command(
@@ -32,13 +32,16 @@ struct ModelArgs {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Greedy answer to one user message.
+    /// Greedy answer to one user message or a chat.
     Generate {
         #[command(flatten)]
         model: ModelArgs,
         /// The user message.
-        #[arg(long)]
-        prompt: String,
+        #[arg(long, required_unless_present = "messages")]
+        prompt: Option<String>,
+        /// A JSON array of OpenAI-style chat messages instead of --prompt (text and image parts).
+        #[arg(long, conflicts_with = "prompt")]
+        messages: Option<PathBuf>,
         /// Most tokens to generate.
         #[arg(long, default_value_t = 128)]
         max_tokens: usize,
@@ -78,7 +81,7 @@ fn load(args: &ModelArgs) -> Result<Pipeline<CpuBackend>> {
         .with_context(|| format!("loading the model in {}", args.model.display()))
 }
 
-fn read_messages(path: &PathBuf) -> Result<Vec<recall::tokenize::chat::ChatMessage>> {
+fn read_messages(path: &PathBuf) -> Result<Vec<ChatMessage>> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     Ok(parse_messages(&text, path)?)
 }
@@ -94,24 +97,24 @@ fn main() -> Result<()> {
         Command::Generate {
             model,
             prompt,
+            messages,
             max_tokens,
             stop,
             json,
         } => {
             let p = load(&model)?;
-            let ids = p.encode_chat(&[recall::tokenize::chat::ChatMessage::text("user", prompt)], true)?;
+            let messages = match &messages {
+                Some(path) => read_messages(path)?,
+                None => vec![ChatMessage::text("user", prompt.unwrap_or_default())],
+            };
             let start = std::time::Instant::now();
-            let out = p.generate_ids(&ids, max_tokens, &stop)?;
+            let (input, out) = p.generate_chat(&messages, max_tokens, &stop)?;
             let secs = start.elapsed().as_secs_f64();
-            tracing::info!(
-                prompt_tokens = ids.len(),
-                new_tokens = out.tokens.len(),
-                secs,
-                "generated"
-            );
+            let prompt_tokens = input.ids.len();
+            tracing::info!(prompt_tokens, new_tokens = out.tokens.len(), secs, "generated");
             if json {
                 let v = serde_json::json!({
-                    "prompt_tokens": ids.len(),
+                    "prompt_tokens": prompt_tokens,
                     "tokens": out.tokens,
                     "text": out.text,
                     "finish_reason": format!("{:?}", out.finish),

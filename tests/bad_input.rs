@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use common::fixture;
 use recall::backend::cpu::CpuBackend;
-use recall::engine::{generate, score, GenerateParams};
+use recall::engine::{generate, score, GenerateParams, PromptInput};
 use recall::model::{Checkpoint, ModelConfig, QwenVl};
 use recall::Error;
 
@@ -212,18 +212,25 @@ fn bad_requests_are_errors() {
         eos_token_ids: vec![],
         stop_strings: vec![],
     };
-    let e = generate(&be, &model.text, &[1, vocab + 5], &params, None).unwrap_err();
+    let e = generate(
+        &be,
+        &model.text,
+        &PromptInput::text(&[1, vocab + 5]),
+        &params,
+        None,
+    )
+    .unwrap_err();
     assert!(e.to_string().contains(&format!("token id {}", vocab + 5)), "{e}");
-    assert!(generate(&be, &model.text, &[], &params, None).is_err());
+    assert!(generate(&be, &model.text, &PromptInput::text(&[]), &params, None).is_err());
     let stop = GenerateParams {
         stop_strings: vec!["x".into()],
         ..params.clone()
     };
-    assert!(generate(&be, &model.text, &[1], &stop, None)
+    assert!(generate(&be, &model.text, &PromptInput::text(&[1]), &stop, None)
         .unwrap_err()
         .to_string()
         .contains("tokenizer"));
-    assert!(score(&be, &model.text, &[1], &[]).is_err());
+    assert!(score(&be, &model.text, &PromptInput::text(&[1]), &[]).is_err());
 
     // Over the context limit: the error says by how much.
     let limit = model.config.text.max_position_embeddings;
@@ -231,10 +238,56 @@ fn bad_requests_are_errors() {
         max_tokens: limit,
         ..params
     };
-    let e = generate(&be, &model.text, &[1, 2, 3], &long, None).unwrap_err();
+    let e = generate(&be, &model.text, &PromptInput::text(&[1, 2, 3]), &long, None).unwrap_err();
     assert!(
         matches!(e, Error::PromptTooLong { tokens, .. } if tokens == limit + 3),
         "{e:?}"
     );
     assert!(e.to_string().contains("by 3"), "{e}");
+}
+
+#[test]
+fn image_placeholder_without_image_is_an_error() {
+    use recall::engine::Pipeline;
+    use recall::tokenize::chat::ChatMessage;
+    let p = Pipeline::load(CpuBackend, &fixture("tiny-qwen3-vl"), None).unwrap();
+    let m = ChatMessage::new(
+        "user",
+        vec![
+            recall::tokenize::chat::ContentPart::Image(fixture("vl-images/icon.png").display().to_string()),
+            recall::tokenize::chat::ContentPart::Text("and a stray <|image_pad|>".into()),
+        ],
+    );
+    let e = p
+        .prepare(&[m], true)
+        .err()
+        .expect("mismatched placeholders must fail");
+    assert!(e.to_string().contains("2 image placeholders for 1 images"), "{e}");
+}
+
+#[test]
+fn bad_vision_config_names_the_field() {
+    let (_t, dir) = copy_fixture("tiny-qwen3-vl");
+    edit_config(&dir, |c| {
+        c["vision_config"]["deepstack_visual_indexes"] = serde_json::json!([0, 7])
+    });
+    let msg = load_err(&dir).to_string();
+    assert!(
+        msg.contains("vision_config.deepstack_visual_indexes") && msg.contains("depth"),
+        "{msg}"
+    );
+    edit_config(&dir, |c| {
+        c["vision_config"]["deepstack_visual_indexes"] = serde_json::json!([0, 2]);
+        c["vision_config"]["num_heads"] = "two".into();
+    });
+    let msg = load_err(&dir).to_string();
+    assert!(msg.contains("vision_config.num_heads"), "{msg}");
+}
+
+#[test]
+fn missing_vision_tensor_is_named() {
+    let (_t, dir) = copy_fixture("tiny-qwen2.5-vl");
+    drop_tensor(&dir, "visual.blocks.1.attn.qkv.weight");
+    let msg = load_err(&dir).to_string();
+    assert!(msg.contains("visual.blocks.1.attn.qkv.weight"), "{msg}");
 }

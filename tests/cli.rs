@@ -140,3 +140,80 @@ fn bad_input_fails_cleanly() {
         assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
     }
 }
+
+#[test]
+fn image_parts_by_data_url_and_file_url() {
+    use base64::Engine;
+    let model = fixture("tiny-qwen3-vl");
+    let reference = Reference::load(&model, "vl_reference");
+    let png = fixture("vl-images/screen.png");
+    let b64 = base64::engine::general_purpose::STANDARD.encode(std::fs::read(&png).unwrap());
+    let tmp = tempfile::tempdir().unwrap();
+    // The fixture's `one_image` chat, with the screenshot given as a data: URL and as a file:// URL.
+    for url in [
+        format!("data:image/png;base64,{b64}"),
+        format!("file://{}", png.display()),
+    ] {
+        let messages = serde_json::json!([{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": "What is on the screen?"}
+        ]}]);
+        let path = tmp.path().join("messages.json");
+        std::fs::write(&path, messages.to_string()).unwrap();
+        let out = tmp.path().join("logits.safetensors");
+        let o = recall(&[
+            "logits",
+            "--model",
+            model.to_str().unwrap(),
+            "--messages",
+            path.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let bytes = std::fs::read(&out).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let got: Vec<f32> = st
+            .tensor("logits")
+            .unwrap()
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        let (want, _) = reference.f32("v0.logits");
+        assert!(max_abs_diff(&got, &want) <= 1e-4, "{}", &url[..20]);
+    }
+}
+
+#[test]
+fn bad_image_fails_cleanly() {
+    let model = fixture("tiny-qwen3-vl");
+    let tmp = tempfile::tempdir().unwrap();
+    let corrupt = tmp.path().join("corrupt.png");
+    std::fs::write(&corrupt, b"\x89PNG\r\n\x1a\nnot really").unwrap();
+    for (url, needle) in [
+        ("/nonexistent/screen.png".to_string(), "/nonexistent/screen.png"),
+        (corrupt.display().to_string(), "corrupt.png"),
+        (
+            "https://example.com/a.png".to_string(),
+            "https://example.com/a.png",
+        ),
+    ] {
+        let messages = serde_json::json!([{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "?"}
+        ]}]);
+        let path = tmp.path().join("messages.json");
+        std::fs::write(&path, messages.to_string()).unwrap();
+        let o = recall(&[
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--messages",
+            path.to_str().unwrap(),
+        ]);
+        let err = stderr(&o);
+        assert!(!o.status.success(), "{url} should fail");
+        assert!(err.contains(needle), "{url}: stderr lacks {needle:?}: {err}");
+        assert!(!err.contains("panicked"), "{url} panicked: {err}");
+    }
+}

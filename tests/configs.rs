@@ -88,7 +88,12 @@ fn qwen2_5_vl_7b() {
         (1e6, [16, 24, 24], false)
     );
     let v = c.vision.as_ref().unwrap();
-    assert_eq!(v["fullatt_block_indexes"], serde_json::json!([7, 15, 23, 31]));
+    assert_eq!(
+        (v.depth, v.hidden_size, v.intermediate_size, v.num_heads),
+        (32, 1280, 3420, 16)
+    );
+    assert_eq!((v.patch_size, v.window_size, v.out_hidden_size), (14, 112, 3584));
+    assert_eq!(v.fullatt_block_indexes, vec![7, 15, 23, 31]);
 }
 
 #[test]

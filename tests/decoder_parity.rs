@@ -8,7 +8,7 @@ use std::path::Path;
 
 use common::{fixture, max_abs_diff, Reference};
 use recall::backend::{cpu::CpuBackend, Backend};
-use recall::engine::{generate, score, GenerateParams, Pipeline};
+use recall::engine::{generate, score, GenerateParams, Pipeline, PromptInput};
 use recall::model::{LogitsFor, Positions};
 use recall::tokenize::chat::parse_messages;
 
@@ -26,7 +26,7 @@ fn check_model(model_dir: &Path, reference_dir: &Path, stem: &str) {
     for (i, prompt) in reference.prompts().iter().enumerate() {
         let name = prompt["name"].as_str().unwrap();
         let messages = parse_messages(&prompt["messages"].to_string(), Path::new("fixture")).unwrap();
-        let ids = p.encode_chat(&messages, true).unwrap();
+        let ids = p.prepare(&messages, true).unwrap().ids;
         assert_eq!(
             ids,
             reference.ids(&format!("p{i}.input_ids")),
@@ -80,7 +80,7 @@ fn check_greedy(p: &Pipeline<CpuBackend>, reference: &Reference, i: usize, name:
         eos_token_ids: vec![],
         stop_strings: vec![],
     };
-    let got = generate(&p.backend, &p.model.text, ids, &params, None).unwrap();
+    let got = generate(&p.backend, &p.model.text, &PromptInput::text(ids), &params, None).unwrap();
     assert_eq!(got.tokens, want, "{name}: greedy tokens differ from HF");
 }
 
@@ -92,7 +92,7 @@ fn check_score(p: &Pipeline<CpuBackend>, prompt: &serde_json::Value, name: &str,
         target_ids,
         "{name}: target ids"
     );
-    let s = score(&p.backend, &p.model.text, ids, &target_ids).unwrap();
+    let s = score(&p.backend, &p.model.text, &PromptInput::text(ids), &target_ids).unwrap();
     let want: Vec<f32> = serde_json::from_value(prompt["target_logprobs"].clone()).unwrap();
     assert!(
         max_abs_diff(&s.token_logprobs, &want) <= TOL,

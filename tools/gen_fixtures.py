@@ -23,10 +23,12 @@ import shutil
 import sys
 
 import torch
+from PIL import Image, ImageDraw
 from safetensors.torch import load_file, save_file
 
 import transformers
 from transformers import (
+    AutoImageProcessor,
     PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
@@ -71,6 +73,151 @@ PROMPTS = [
         "target": "42",
     },
 ]
+
+
+IMAGES = os.path.join(FIX, "vl-images")
+
+# Pixel budgets small enough for tiny grids: Qwen3-VL (factor 32) and Qwen2.5-VL (factor 28). The
+# Qwen2.5-VL window is 4 merged tokens wide; the screenshot's 6-token-wide grid is not a multiple of it.
+PIXELS = {"qwen3": (32 * 32 * 4, 32 * 32 * 24), "qwen25": (28 * 28 * 4, 28 * 28 * 30)}
+
+
+def draw_images():
+    """Small synthetic screenshots (PNG, JPEG, WebP) for the multimodal prompts."""
+    os.makedirs(IMAGES, exist_ok=True)
+
+    def screen(w, h, seed):
+        g = torch.Generator().manual_seed(seed)
+        img = Image.new("RGB", (w, h), (240, 240, 245))
+        d = ImageDraw.Draw(img)
+        for i in range(0, h, 6):
+            d.line([(0, i), (w, i)], fill=(200 + i % 50, 210, 230 - i % 40))
+        for _ in range(8):
+            x0, y0 = int(torch.randint(0, max(1, w - 10), (1,), generator=g)), int(torch.randint(0, max(1, h - 6), (1,), generator=g))
+            x1, y1 = min(w - 1, x0 + 5 + int(torch.randint(0, w // 2 + 1, (1,), generator=g))), min(h - 1, y0 + 3 + int(torch.randint(0, h // 3 + 1, (1,), generator=g)))
+            c = tuple(int(v) for v in torch.randint(0, 256, (3,), generator=g))
+            d.rectangle([x0, y0, x1, y1], fill=c, outline=(20, 20, 20))
+        return img
+
+    screen(200, 150, 1).save(os.path.join(IMAGES, "screen.png"))
+    screen(120, 220, 2).save(os.path.join(IMAGES, "portrait.jpg"), quality=90)
+    screen(24, 16, 3).save(os.path.join(IMAGES, "icon.png"))
+    screen(600, 12, 4).save(os.path.join(IMAGES, "banner.png"))
+    screen(160, 160, 5).save(os.path.join(IMAGES, "square.webp"), quality=90)
+
+
+def img(name):
+    return {"type": "image", "image": f"tests/fixtures/vl-images/{name}"}
+
+
+def txt(t):
+    return {"type": "text", "text": t}
+
+
+VL_PROMPTS = [
+    {"name": "one_image", "messages": [{"role": "user", "content": [img("screen.png"), txt("What is on the screen?")]}]},
+    {
+        "name": "two_images_text_between",
+        "messages": [{"role": "user", "content": [img("screen.png"), txt("and then"), img("portrait.jpg"),
+                                                   txt("Which screen shows the menu?")]}],
+    },
+    {"name": "upscaled_small", "messages": [{"role": "user", "content": [txt("A tiny icon:"), img("icon.png")]}]},
+    {"name": "extreme_aspect", "messages": [{"role": "user", "content": [img("banner.png"), txt("Read the banner.")]}]},
+    {
+        "name": "multi_turn_images",
+        "messages": [
+            {"role": "system", "content": "You are a GUI agent."},
+            {"role": "user", "content": [img("screen.png"), txt("Step 1: open settings.")]},
+            {"role": "assistant", "content": "Action: click the gear icon."},
+            {"role": "user", "content": [img("square.webp"), txt("Step 2: what now?")]},
+        ],
+    },
+]
+
+
+def write_preprocessor_config(out_dir, family):
+    """The hub preprocessor config of the family with tiny pixel budgets."""
+    src = "qwen3-vl-8b-instruct" if family == "qwen3" else "qwen2.5-vl-7b-instruct"
+    with open(os.path.join(ROOT, "models", src, "preprocessor_config.json")) as f:
+        cfg = json.load(f)
+    lo, hi = PIXELS[family]
+    if "size" in cfg:
+        cfg["size"] = {"longest_edge": hi, "shortest_edge": lo}
+    cfg.pop("min_pixels", None)
+    cfg.pop("max_pixels", None)
+    if family == "qwen25":
+        cfg["size"] = {"longest_edge": hi, "shortest_edge": lo}
+    with open(os.path.join(out_dir, "preprocessor_config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def load_image(path):
+    from transformers.image_utils import load_image as hf_load_image
+    return hf_load_image(os.path.join(ROOT, path))
+
+
+def run_vl_reference(model, family, tok, template, image_processor, prompt, cfg):
+    """Everything the vision parity tests compare, for one multimodal chat."""
+    text = tok.apply_chat_template(prompt["messages"], chat_template=template, tokenize=False,
+                                   add_generation_prompt=True)
+    paths = [part["image"] for m in prompt["messages"] if isinstance(m["content"], list)
+             for part in m["content"] if part.get("type") == "image"]
+    images = [load_image(p) for p in paths]
+    proc = image_processor(images=images, return_tensors="pt")
+    pixel_values, grid = proc["pixel_values"], proc["image_grid_thw"]
+    merge = image_processor.merge_size
+    # The processor's placeholder expansion: each <|image_pad|> becomes t*h*w/merge^2 pads.
+    counts = iter((grid.prod(-1) // merge ** 2).tolist())
+    parts = text.split("<|image_pad|>")
+    expanded = parts[0] + "".join("<|image_pad|>" * next(counts) + p for p in parts[1:])
+    ids = tok(expanded, add_special_tokens=False)["input_ids"]
+    input_ids = torch.tensor([ids])
+    mm = (input_ids == IMAGE_PAD).int()
+    kw = dict(pixel_values=pixel_values, image_grid_thw=grid, mm_token_type_ids=mm)
+
+    position_ids, _ = model.model.get_rope_index(input_ids, mm_token_type_ids=mm, image_grid_thw=grid)
+    feats = model.model.get_image_features(pixel_values, image_grid_thw=grid, return_dict=True)
+    embeds = torch.cat(list(feats.pooler_output), dim=0)
+    deepstack = [torch.cat(list(d), dim=0) if isinstance(d, (list, tuple)) else d
+                 for d in (getattr(feats, "deepstack_features", None) or [])]
+    logits = model(input_ids=input_ids, **kw).logits[0]
+    out = model.generate(input_ids, **kw, max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS,
+                         do_sample=False, pad_token_id=ENDOFTEXT)
+    greedy = out[0, len(ids):]
+    seq = out[:, :-1]
+    path_logits = model(input_ids=seq, **dict(kw, mm_token_type_ids=(seq == IMAGE_PAD).int())).logits[0, len(ids) - 1:]
+    top2 = path_logits.topk(2, dim=-1).values
+    margin = (top2[:, 0] - top2[:, 1]).min().item()
+    return {
+        "text": text, "paths": paths, "input_ids": ids, "pixel_values": pixel_values, "grid": grid,
+        "position_ids": position_ids[:, 0, :], "embeds": embeds, "deepstack": deepstack, "logits": logits,
+        "greedy": greedy, "margin": margin,
+    }
+
+
+def write_vl_reference(out_dir, model, family, tok, template):
+    image_processor = AutoImageProcessor.from_pretrained(out_dir)
+    tensors, meta = {}, []
+    for i, p in enumerate(VL_PROMPTS):
+        r = run_vl_reference(model, family, tok, template, image_processor, p, None)
+        assert r["margin"] > 1e-3, f"{p['name']}: greedy path has a near-tie ({r['margin']})"
+        tensors[f"v{i}.input_ids"] = torch.tensor(r["input_ids"], dtype=torch.int64)
+        tensors[f"v{i}.pixel_values"] = r["pixel_values"].float().contiguous()
+        tensors[f"v{i}.image_grid_thw"] = r["grid"].to(torch.int64).contiguous()
+        tensors[f"v{i}.position_ids"] = r["position_ids"].to(torch.int64).contiguous()
+        tensors[f"v{i}.image_embeds"] = r["embeds"].float().contiguous()
+        for j, d in enumerate(r["deepstack"]):
+            tensors[f"v{i}.deepstack.{j}"] = d.float().contiguous()
+        tensors[f"v{i}.logits"] = r["logits"].float().contiguous()
+        tensors[f"v{i}.greedy"] = r["greedy"].to(torch.int64).contiguous()
+        meta.append({"name": p["name"], "messages": p["messages"], "rendered": r["text"], "images": r["paths"],
+                     "greedy_margin": r["margin"]})
+        print(f"  {p['name']}: {len(r['input_ids'])} tokens, grids {r['grid'].tolist()}, "
+              f"greedy margin {r['margin']:.4f}")
+    save_file(tensors, os.path.join(out_dir, "vl_reference.safetensors"))
+    with open(os.path.join(out_dir, "vl_reference.json"), "w") as f:
+        json.dump({"transformers": transformers.__version__, "torch": torch.__version__, "prompts": meta},
+                  f, indent=1, ensure_ascii=False)
 
 
 def init_weights(model, seed):
@@ -283,7 +430,7 @@ def build(family):
         cfg, cls, name, tmpl = qwen25_config(), Qwen2_5_VLForConditionalGeneration, "tiny-qwen2.5-vl", "qwen2.5-vl-7b-instruct"
     torch.manual_seed(0)
     model = cls(cfg).float().eval()
-    init_weights(model, seed=1 if family == "qwen3" else 2)
+    init_weights(model, seed=1 if family == "qwen3" else 3)
     template = chat_template(tmpl)
     out = fresh_dir(os.path.join(FIX, name))
     print(f"{name}:")
@@ -296,8 +443,10 @@ def build(family):
         for (ka, a), (kb, b) in zip(model.state_dict().items(), again.state_dict().items()):
             assert torch.equal(a, b), f"hub-name round trip changed {ka}"
     write_generation_config(out)
+    write_preprocessor_config(out, family)
     copy_tokenizer(out)
     write_reference(out, model, tok, template, PROMPTS)
+    write_vl_reference(out, model, family, tok, template)
 
     if family == "qwen3":
         sharded = fresh_dir(os.path.join(FIX, name + "-sharded"))
@@ -316,6 +465,7 @@ def build(family):
 def main():
     torch.set_grad_enabled(False)
     torch.use_deterministic_algorithms(True)
+    draw_images()
     for family in sys.argv[1:] or ["qwen3", "qwen25"]:
         build(family)
 

@@ -2,8 +2,9 @@
 //! a stop string or the token limit.
 
 use crate::backend::Backend;
+use crate::engine::PromptInput;
 use crate::error::{Error, Result};
-use crate::model::{LogitsFor, Positions, TextModel};
+use crate::model::{LogitsFor, TextModel};
 use crate::tokenize::Tokenizer;
 
 /// What to generate.
@@ -38,32 +39,32 @@ pub struct Generation {
     pub finish: FinishReason,
 }
 
-/// Greedily continues the text-only prompt `prompt`.
+/// Greedily continues `prompt`.
 ///
 /// ```no_run
-/// use recall::{backend::cpu::CpuBackend, engine::{generate, GenerateParams}, model::QwenVl};
+/// use recall::{backend::cpu::CpuBackend, engine::{generate, GenerateParams, PromptInput}, model::QwenVl};
 /// let be = CpuBackend;
 /// let model = QwenVl::load(&be, std::path::Path::new("tests/fixtures/tiny-qwen3-vl"))?;
 /// let params = GenerateParams { max_tokens: 16, eos_token_ids: model.config.eos_token_ids.clone(), stop_strings: vec![] };
-/// let out = generate(&be, &model.text, &[1, 2, 3], &params, None)?;
+/// let out = generate(&be, &model.text, &PromptInput::text(&[1, 2, 3]), &params, None)?;
 /// println!("{:?}", out.tokens);
 /// # Ok::<(), recall::Error>(())
 /// ```
 pub fn generate<B: Backend>(
     be: &B,
     model: &TextModel<B>,
-    prompt: &[u32],
+    prompt: &PromptInput<B::Tensor>,
     params: &GenerateParams,
     tokenizer: Option<&Tokenizer>,
 ) -> Result<Generation> {
-    if prompt.is_empty() {
+    if prompt.ids.is_empty() {
         return Err(Error::InvalidRequest("the prompt is empty".into()));
     }
     if !params.stop_strings.is_empty() && tokenizer.is_none() {
         return Err(Error::InvalidRequest("stop strings need a tokenizer".into()));
     }
     let limit = model.config().max_position_embeddings;
-    let needed = prompt.len() + params.max_tokens;
+    let needed = prompt.ids.len() + params.max_tokens;
     if needed > limit {
         return Err(Error::PromptTooLong {
             tokens: needed,
@@ -71,14 +72,21 @@ pub fn generate<B: Backend>(
         });
     }
     let mut cache = model.new_cache(be, needed)?;
-    let mut tokens = Vec::new();
-    let mut input = prompt.to_vec();
+    let mut tokens: Vec<u32> = Vec::new();
     let finish = loop {
         if tokens.len() == params.max_tokens {
             break FinishReason::Length;
         }
-        let pos = Positions::text(cache.len() as i64, input.len());
-        let out = model.forward(be, &input, &pos, &mut cache, LogitsFor::Last, false)?;
+        let out = match tokens.last() {
+            None => {
+                let (ids, pos, visual) = (&prompt.ids, &prompt.positions, prompt.visual.as_ref());
+                model.forward(be, ids, pos, visual, &mut cache, LogitsFor::Last, false)?
+            }
+            Some(&last) => {
+                let pos = prompt.continuation(tokens.len() - 1, 1);
+                model.forward(be, &[last], &pos, None, &mut cache, LogitsFor::Last, false)?
+            }
+        };
         let next = be.argmax(&out.logits)?[0];
         tokens.push(next);
         if params.eos_token_ids.contains(&next) {
@@ -87,7 +95,6 @@ pub fn generate<B: Backend>(
         if let Some(stop) = find_stop(tokenizer, &tokens, &params.stop_strings)? {
             break FinishReason::Stop(stop);
         }
-        input = vec![next];
     };
     let text = tokenizer.map(|t| t.decode(&tokens)).transpose()?;
     Ok(Generation { tokens, text, finish })

@@ -4,22 +4,25 @@
 use std::path::Path;
 
 use crate::backend::Backend;
-use crate::engine::{generate, score, GenerateParams, Generation, Score};
+use crate::engine::{generate, score, GenerateParams, Generation, PromptInput, Score};
 use crate::error::{Error, Result};
-use crate::model::{Family, LogitsFor, Positions, QwenVl};
-use crate::tokenize::chat::{render_chat, ChatFamily, ChatMessage, ContentPart};
+use crate::model::{rope_index, Family, GridThw, LogitsFor, QwenVl, Span, VisualFeatures};
+use crate::tokenize::chat::{render_chat_with_images, ChatFamily, ChatMessage};
 use crate::tokenize::Tokenizer;
+use crate::vision::{preprocess, ImageSource, PixelValues, PreprocessConfig};
 
-/// A loaded model and its tokenizer on one backend.
+/// A loaded model, its tokenizer and its image preprocessing on one backend.
 pub struct Pipeline<B: Backend> {
     pub backend: B,
     pub model: QwenVl<B>,
     pub tokenizer: Tokenizer,
+    /// How screenshots become patches (`preprocessor_config.json`, else the family's defaults).
+    pub preprocess: PreprocessConfig,
 }
 
 /// Full-sequence logits of a prompt.
 pub struct PromptLogits {
-    /// The prompt's token ids.
+    /// The prompt's token ids (image placeholders expanded).
     pub input_ids: Vec<u32>,
     /// `[input_ids.len() · vocab]`, row-major.
     pub logits: Vec<f32>,
@@ -41,10 +44,35 @@ impl<B: Backend> Pipeline<B> {
         let tok_path = tokenizer.map_or_else(|| model_dir.join("tokenizer.json"), Path::to_path_buf);
         let tokenizer = Tokenizer::from_file(&tok_path)?;
         let model = QwenVl::load(&backend, model_dir)?;
+        let pre_path = model_dir.join("preprocessor_config.json");
+        let preprocess = if pre_path.exists() {
+            PreprocessConfig::from_file(&pre_path)?
+        } else {
+            match model.config.family {
+                Family::Qwen3Vl => PreprocessConfig::qwen3_vl(),
+                Family::Qwen25Vl => PreprocessConfig::qwen2_5_vl(),
+            }
+        };
+        if let Some(v) = &model.config.vision {
+            let ours = (
+                preprocess.patch_size,
+                preprocess.merge_size,
+                preprocess.temporal_patch_size,
+            );
+            let theirs = (v.patch_size, v.spatial_merge_size, v.temporal_patch_size);
+            if ours != theirs {
+                return Err(Error::json(
+                    pre_path,
+                    "patch_size",
+                    format!("(patch, merge, temporal) {ours:?} disagree with the vision tower's {theirs:?}"),
+                ));
+            }
+        }
         Ok(Pipeline {
             backend,
             model,
             tokenizer,
+            preprocess,
         })
     }
 
@@ -55,19 +83,79 @@ impl<B: Backend> Pipeline<B> {
         }
     }
 
-    /// Renders `messages` with the family's chat template and tokenizes the result.
-    pub fn encode_chat(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<Vec<u32>> {
-        let has_image = messages
-            .iter()
-            .flat_map(|m| &m.content)
-            .any(|p| matches!(p, ContentPart::Image(_)));
-        if has_image {
-            return Err(Error::InvalidRequest(
-                "image content is not supported by the text-only pipeline yet".into(),
-            ));
+    /// Renders `messages` with the family's chat template, tokenizes them, preprocesses and encodes
+    /// their images, and computes M-RoPE positions: everything the decoder needs.
+    pub fn prepare(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<PromptInput<B::Tensor>> {
+        let rendered = render_chat_with_images(self.chat_family(), messages, add_generation_prompt);
+        let ids = self.tokenizer.encode(&rendered.text)?;
+        if rendered.images.is_empty() {
+            return Ok(PromptInput::text(&ids));
         }
-        let text = render_chat(self.chat_family(), messages, add_generation_prompt);
-        self.tokenizer.encode(&text)
+        let images = rendered
+            .images
+            .iter()
+            .map(|src| preprocess(&ImageSource::parse(src)?, &self.preprocess))
+            .collect::<Result<Vec<_>>>()?;
+        self.prepare_ids(&ids, &images)
+    }
+
+    /// Expands each image-pad token of `ids` into its image's merged tokens and encodes the images.
+    pub fn prepare_ids(&self, ids: &[u32], images: &[PixelValues]) -> Result<PromptInput<B::Tensor>> {
+        let (vision, cfg) = match (&self.model.vision, &self.model.config) {
+            (Some(v), cfg) if cfg.image_token_id.is_some() => (v, cfg),
+            _ => return Err(Error::InvalidRequest("this model has no vision tower".into())),
+        };
+        let pad = cfg.image_token_id.unwrap_or_default();
+        let merge = self.preprocess.merge_size;
+        let pads = ids.iter().filter(|&&t| t == pad).count();
+        if pads != images.len() {
+            return Err(Error::InvalidRequest(format!(
+                "the prompt has {pads} image placeholders for {} images",
+                images.len()
+            )));
+        }
+        let (mut expanded, mut rows, mut spans) = (Vec::new(), Vec::new(), Vec::new());
+        let mut next_image = images.iter();
+        let mut text_run = 0;
+        for &id in ids {
+            if id != pad {
+                expanded.push(id);
+                text_run += 1;
+                continue;
+            }
+            let [t, h, w] = next_image.next().map(|p| p.grid_thw).unwrap_or_default();
+            spans.push(Span::Text(std::mem::take(&mut text_run)));
+            spans.push(Span::Image {
+                t,
+                h: h / merge,
+                w: w / merge,
+            });
+            let n = t * (h / merge) * (w / merge);
+            rows.extend(expanded.len()..expanded.len() + n);
+            expanded.extend(std::iter::repeat_n(pad, n));
+        }
+        spans.push(Span::Text(text_run));
+        let (positions, next_position) = rope_index(&spans, 0);
+
+        let patch_dim = images[0].patch_dim;
+        let data: Vec<f32> = images.iter().flat_map(|p| p.data.iter().copied()).collect();
+        let grids: Vec<GridThw> = images.iter().map(|p| p.grid_thw).collect();
+        let pixels = self.backend.upload(&data, data.len() / patch_dim, patch_dim)?;
+        let out = vision.forward(&self.backend, &pixels, &grids)?;
+        Ok(PromptInput {
+            ids: expanded,
+            positions,
+            visual: Some(VisualFeatures {
+                rows,
+                embeds: out.embeds,
+                deepstack: out.deepstack,
+            }),
+            next_position,
+        })
     }
 
     /// The model's end-of-sequence ids, falling back to the tokenizer's `<|im_end|>`.
@@ -80,10 +168,10 @@ impl<B: Backend> Pipeline<B> {
         }
     }
 
-    /// Greedy generation after the given token ids.
-    pub fn generate_ids(
+    /// Greedy generation after a prepared prompt.
+    pub fn generate_input(
         &self,
-        prompt: &[u32],
+        prompt: &PromptInput<B::Tensor>,
         max_tokens: usize,
         stop_strings: &[String],
     ) -> Result<Generation> {
@@ -101,41 +189,61 @@ impl<B: Backend> Pipeline<B> {
         )
     }
 
-    /// Greedy answer to one user message (rendered with the chat template).
+    /// Greedy answer to a conversation (rendered with the chat template and a generation prompt).
+    pub fn generate_chat(
+        &self,
+        messages: &[ChatMessage],
+        max_tokens: usize,
+        stop_strings: &[String],
+    ) -> Result<(PromptInput<B::Tensor>, Generation)> {
+        let prompt = self.prepare(messages, true)?;
+        let out = self.generate_input(&prompt, max_tokens, stop_strings)?;
+        Ok((prompt, out))
+    }
+
+    /// Greedy answer to one user message.
     pub fn generate_text(&self, prompt: &str, max_tokens: usize) -> Result<Generation> {
-        let messages = [ChatMessage::text("user", prompt)];
-        let ids = self.encode_chat(&messages, true)?;
-        self.generate_ids(&ids, max_tokens, &[])
+        Ok(self
+            .generate_chat(&[ChatMessage::text("user", prompt)], max_tokens, &[])?
+            .1)
     }
 
     /// Logits at every position of the rendered chat (with the generation prompt).
     pub fn prompt_logits(&self, messages: &[ChatMessage]) -> Result<PromptLogits> {
-        let input_ids = self.encode_chat(messages, true)?;
+        let prompt = self.prepare(messages, true)?;
         let be = &self.backend;
         let text = &self.model.text;
-        if input_ids.is_empty() {
+        if prompt.ids.is_empty() {
             return Err(Error::InvalidRequest("the rendered prompt is empty".into()));
         }
         let limit = text.config().max_position_embeddings;
-        if input_ids.len() > limit {
+        if prompt.ids.len() > limit {
             return Err(Error::PromptTooLong {
-                tokens: input_ids.len(),
+                tokens: prompt.ids.len(),
                 limit,
             });
         }
-        let mut cache = text.new_cache(be, input_ids.len())?;
-        let pos = Positions::text(0, input_ids.len());
-        let out = text.forward(be, &input_ids, &pos, &mut cache, LogitsFor::All, false)?;
+        let mut cache = text.new_cache(be, prompt.ids.len())?;
+        let visual = prompt.visual.as_ref();
+        let out = text.forward(
+            be,
+            &prompt.ids,
+            &prompt.positions,
+            visual,
+            &mut cache,
+            LogitsFor::All,
+            false,
+        )?;
         Ok(PromptLogits {
             logits: be.download(&out.logits)?,
             vocab: be.dims(&out.logits).1,
-            input_ids,
+            input_ids: prompt.ids,
         })
     }
 
     /// Teacher-forced log-probability of `target` as the assistant's reply to `messages`.
     pub fn score_reply(&self, messages: &[ChatMessage], target: &str) -> Result<Score> {
-        let prompt = self.encode_chat(messages, true)?;
+        let prompt = self.prepare(messages, true)?;
         let target = self.tokenizer.encode(target)?;
         score(&self.backend, &self.model.text, &prompt, &target)
     }

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use crate::error::{Error, Result};
+use crate::model::vision::VisionConfig;
 
 /// The architecture family of a checkpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,8 +48,8 @@ pub struct TextConfig {
 pub struct ModelConfig {
     pub family: Family,
     pub text: TextConfig,
-    /// The vision tower's settings, kept verbatim until the vision tower reads them.
-    pub vision: Option<Value>,
+    /// The vision tower's settings (`vision_config`).
+    pub vision: Option<VisionConfig>,
     pub image_token_id: Option<u32>,
     pub video_token_id: Option<u32>,
     pub vision_start_token_id: Option<u32>,
@@ -202,7 +203,11 @@ impl ModelConfig {
         Ok(ModelConfig {
             family,
             text,
-            vision: root.get("vision_config").cloned(),
+            vision: root
+                .get("vision_config")
+                .filter(|v| !v.is_null())
+                .map(|v| VisionConfig::parse(v, family, path))
+                .transpose()?,
             image_token_id: doc.usize_opt(top, "image_token_id")?.map(|v| v as u32),
             video_token_id: doc.usize_opt(top, "video_token_id")?.map(|v| v as u32),
             vision_start_token_id: doc.usize_opt(top, "vision_start_token_id")?.map(|v| v as u32),

@@ -4,21 +4,43 @@ pub mod config;
 pub mod loader;
 pub mod mrope;
 pub mod text;
+pub mod vision;
+pub mod vision_qwen25;
+pub mod vision_qwen3;
 
 use std::path::Path;
 
 pub use config::{Family, ModelConfig, TextConfig};
 pub use loader::Checkpoint;
-pub use mrope::Positions;
-pub use text::{ForwardOutput, KvCache, LogitsFor, TextModel};
+pub use mrope::{rope_index, Positions, Span};
+pub use text::{ForwardOutput, KvCache, LogitsFor, TextModel, VisualFeatures};
+pub use vision::{GridThw, VisionConfig, VisionOutput};
 
 use crate::backend::Backend;
 use crate::Result;
 
-/// A loaded Qwen-VL model: its configuration and the text decoder on a backend.
+/// A loaded Qwen-VL model: its configuration, the text decoder and the vision tower on a backend.
 pub struct QwenVl<B: Backend> {
     pub config: ModelConfig,
     pub text: TextModel<B>,
+    /// `None` when the config has no `vision_config`.
+    pub vision: Option<VisionTower<B>>,
+}
+
+/// The vision tower of either family.
+pub enum VisionTower<B: Backend> {
+    Qwen3(vision_qwen3::Qwen3VisionTower<B>),
+    Qwen25(vision_qwen25::Qwen25VisionTower<B>),
+}
+
+impl<B: Backend> VisionTower<B> {
+    /// Encodes images: `pixels` `[Σ patches, patch_dim]` in HF's patch order, one grid per image.
+    pub fn forward(&self, be: &B, pixels: &B::Tensor, grids: &[GridThw]) -> Result<VisionOutput<B::Tensor>> {
+        match self {
+            VisionTower::Qwen3(t) => t.forward(be, pixels, grids),
+            VisionTower::Qwen25(t) => t.forward(be, pixels, grids),
+        }
+    }
 }
 
 impl<B: Backend> QwenVl<B> {
@@ -35,6 +57,15 @@ impl<B: Backend> QwenVl<B> {
         let ckpt = Checkpoint::open(dir)?;
         tracing::info!(dir = %dir.display(), family = ?config.family, backend = backend.name(), "loading model");
         let text = TextModel::load(backend, &config.text, &ckpt)?;
-        Ok(QwenVl { config, text })
+        let vision = match (&config.vision, config.family) {
+            (None, _) => None,
+            (Some(v), Family::Qwen3Vl) => Some(VisionTower::Qwen3(vision_qwen3::Qwen3VisionTower::load(
+                backend, v, &ckpt,
+            )?)),
+            (Some(v), Family::Qwen25Vl) => Some(VisionTower::Qwen25(vision_qwen25::Qwen25VisionTower::load(
+                backend, v, &ckpt,
+            )?)),
+        };
+        Ok(QwenVl { config, text, vision })
     }
 }

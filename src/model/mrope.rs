@@ -98,3 +98,71 @@ impl MRope {
         (cos, sin)
     }
 }
+
+/// A run of prompt tokens, for computing positions: text tokens, or the merged tokens of one image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Span {
+    /// `n` text tokens (including `<|vision_start|>` / `<|vision_end|>`).
+    Text(usize),
+    /// One image of `t × h × w` merged tokens (the patch grid divided by the merge size).
+    Image { t: usize, h: usize, w: usize },
+}
+
+impl Span {
+    /// Tokens in the span.
+    pub fn len(&self) -> usize {
+        match *self {
+            Span::Text(n) => n,
+            Span::Image { t, h, w } => t * h * w,
+        }
+    }
+
+    /// Whether the span holds no token.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// M-RoPE positions of a prompt (HF's `get_rope_index` for images), starting at `start`.
+///
+/// Text advances all three rows together; an image's tokens get `(start + t, start + row, start +
+/// col)` and the text after it resumes at `start + max(h, w)`. Returns the positions and the next
+/// free position, from which decoding continues (`next - len` is HF's rope delta).
+pub fn rope_index(spans: &[Span], start: i64) -> (Positions, i64) {
+    let mut pos = Positions::default();
+    let mut cur = start;
+    for span in spans {
+        match *span {
+            Span::Text(n) => {
+                for i in 0..n as i64 {
+                    pos.t.push(cur + i);
+                    pos.h.push(cur + i);
+                    pos.w.push(cur + i);
+                }
+                cur += n as i64;
+            }
+            Span::Image { t, h, w } => {
+                for ti in 0..t as i64 {
+                    for r in 0..h as i64 {
+                        for c in 0..w as i64 {
+                            pos.t.push(cur + ti);
+                            pos.h.push(cur + r);
+                            pos.w.push(cur + c);
+                        }
+                    }
+                }
+                cur += h.max(w) as i64;
+            }
+        }
+    }
+    (pos, cur)
+}
+
+impl Positions {
+    /// Appends `other` after these positions.
+    pub fn extend(&mut self, other: &Positions) {
+        self.t.extend_from_slice(&other.t);
+        self.h.extend_from_slice(&other.h);
+        self.w.extend_from_slice(&other.w);
+    }
+}

@@ -88,6 +88,17 @@ pub struct ForwardOutput<T> {
     pub hidden_states: Vec<T>,
 }
 
+/// Image features placed into a forward's input.
+pub struct VisualFeatures<T> {
+    /// Rows of the input (the image-pad tokens) that take image embeddings, in order.
+    pub rows: Vec<usize>,
+    /// `[rows.len(), hidden]`: replace the token embeddings at `rows`.
+    pub embeds: T,
+    /// Qwen3-VL deepstack: tensor `j` (`[rows.len(), hidden]`) is added at `rows` to the output of
+    /// decoder layer `j`.
+    pub deepstack: Vec<T>,
+}
+
 /// Which positions get logits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogitsFor {
@@ -214,15 +225,18 @@ impl<B: Backend> TextModel<B> {
         })
     }
 
-    /// Embeds `ids` and runs them through the decoder after the tokens already in `cache`.
+    /// Embeds `ids` (with image features at their rows, if any) and runs them through the decoder
+    /// after the tokens already in `cache`.
     ///
     /// On success the new tokens' K/V are part of the cache; on error the cache's length is unchanged,
     /// so a failed call never leaves half-written state behind.
+    #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
         be: &B,
         ids: &[u32],
         pos: &Positions,
+        visual: Option<&VisualFeatures<B::Tensor>>,
         cache: &mut KvCache<B>,
         logits_for: LogitsFor,
         keep_hidden: bool,
@@ -240,21 +254,42 @@ impl<B: Backend> TextModel<B> {
                 limit: cache.capacity,
             });
         }
-        let x = be.embedding(&self.embed_tokens, ids)?;
-        self.forward_embeds(be, x, pos, cache, logits_for, keep_hidden)
+        let mut x = be.embedding(&self.embed_tokens, ids)?;
+        if let Some(v) = visual {
+            if v.deepstack.len() > self.layers.len() {
+                return Err(Error::InvalidRequest(format!(
+                    "{} deepstack features for {} decoder layers",
+                    v.deepstack.len(),
+                    self.layers.len()
+                )));
+            }
+            be.scatter_rows(&mut x, &v.rows, &v.embeds, false)?;
+        }
+        self.forward_embeds(be, x, pos, visual, cache, logits_for, keep_hidden)
     }
 
-    /// Like [`TextModel::forward`], from input embeddings `[n, hidden]`.
+    /// Like [`TextModel::forward`], from input embeddings `[n, hidden]` (image embeddings already in
+    /// place; `visual` then only supplies deepstack features).
+    #[allow(clippy::too_many_arguments)]
     pub fn forward_embeds(
         &self,
         be: &B,
         mut x: B::Tensor,
         pos: &Positions,
+        visual: Option<&VisualFeatures<B::Tensor>>,
         cache: &mut KvCache<B>,
         logits_for: LogitsFor,
         keep_hidden: bool,
     ) -> Result<ForwardOutput<B::Tensor>> {
         let n = be.dims(&x).0;
+        if pos.len() != n || cache.len + n > cache.capacity {
+            return Err(Error::InvalidRequest(format!(
+                "{n} input rows with {} positions into a cache holding {} of {}",
+                pos.len(),
+                cache.len,
+                cache.capacity
+            )));
+        }
         let (cos, sin) = self.mrope.tables(pos);
         let cos = be.upload(&cos, n, self.cfg.head_dim)?;
         let sin = be.upload(&sin, n, self.cfg.head_dim)?;
@@ -264,6 +299,9 @@ impl<B: Backend> TextModel<B> {
                 hidden_states.push(be.rows(&x, 0, n)?);
             }
             x = self.layer_forward(be, layer, i, x, (&cos, &sin), cache)?;
+            if let Some(ds) = visual.and_then(|v| v.deepstack.get(i).map(|d| (&v.rows, d))) {
+                be.scatter_rows(&mut x, ds.0, ds.1, true)?;
+            }
         }
         if keep_hidden {
             hidden_states.push(be.rows(&x, 0, n)?);

@@ -134,7 +134,44 @@ impl ChatMessage {
 /// assert_eq!(prompt, "<|im_start|>assistant\n");
 /// ```
 pub fn render_chat(family: ChatFamily, messages: &[ChatMessage], add_generation_prompt: bool) -> String {
-    let mut out = String::new();
+    render_chat_with_images(family, messages, add_generation_prompt).text
+}
+
+/// A rendered conversation and the images its placeholders stand for.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RenderedChat {
+    /// The prompt text, one `<|vision_start|><|image_pad|><|vision_end|>` per image.
+    pub text: String,
+    /// The sources (paths or URLs) of the rendered images, in prompt order. Images the template drops
+    /// (Qwen3-VL ignores them in system and assistant turns) are not listed.
+    pub images: Vec<String>,
+}
+
+impl RenderedChat {
+    fn push_str(&mut self, s: &str) {
+        self.text.push_str(s);
+    }
+
+    fn push(&mut self, c: char) {
+        self.text.push(c);
+    }
+}
+
+/// Like [`render_chat`], also listing the rendered images in order.
+///
+/// ```
+/// use recall::tokenize::chat::{render_chat_with_images, ChatFamily, ChatMessage, ContentPart};
+///
+/// let m = ChatMessage::new("user", vec![ContentPart::Image("a.png".into()), ContentPart::Text("?".into())]);
+/// let r = render_chat_with_images(ChatFamily::Qwen3Vl, &[m], true);
+/// assert_eq!(r.images, vec!["a.png".to_string()]);
+/// ```
+pub fn render_chat_with_images(
+    family: ChatFamily,
+    messages: &[ChatMessage],
+    add_generation_prompt: bool,
+) -> RenderedChat {
+    let mut out = RenderedChat::default();
     match family {
         ChatFamily::Qwen3Vl => render_qwen3_vl(&mut out, messages),
         ChatFamily::Qwen25Vl => render_qwen25_vl(&mut out, messages),
@@ -145,24 +182,25 @@ pub fn render_chat(family: ChatFamily, messages: &[ChatMessage], add_generation_
     out
 }
 
-fn push_image(out: &mut String) {
+fn push_image(out: &mut RenderedChat, source: &str) {
     out.push_str(VISION_START);
     out.push_str(IMAGE_PAD);
     out.push_str(VISION_END);
+    out.images.push(source.to_string());
 }
 
 /// Text and image parts, as the templates render user content.
-fn push_parts(out: &mut String, content: &[ContentPart]) {
+fn push_parts(out: &mut RenderedChat, content: &[ContentPart]) {
     for part in content {
         match part {
             ContentPart::Text(text) => out.push_str(text),
-            ContentPart::Image(_) => push_image(out),
+            ContentPart::Image(source) => push_image(out, source),
         }
     }
 }
 
 /// Text parts only, as Qwen3-VL renders system and assistant content.
-fn push_text_parts(out: &mut String, content: &[ContentPart]) {
+fn push_text_parts(out: &mut RenderedChat, content: &[ContentPart]) {
     for part in content {
         if let ContentPart::Text(text) = part {
             out.push_str(text);
@@ -170,19 +208,19 @@ fn push_text_parts(out: &mut String, content: &[ContentPart]) {
     }
 }
 
-fn open_turn(out: &mut String, role: &str) {
+fn open_turn(out: &mut RenderedChat, role: &str) {
     out.push_str(IM_START);
     out.push_str(role);
     out.push('\n');
 }
 
-fn close_turn(out: &mut String) {
+fn close_turn(out: &mut RenderedChat) {
     out.push_str(IM_END);
     out.push('\n');
 }
 
 /// The Qwen3-VL Instruct template (without tools and tool calls).
-fn render_qwen3_vl(out: &mut String, messages: &[ChatMessage]) {
+fn render_qwen3_vl(out: &mut RenderedChat, messages: &[ChatMessage]) {
     if let Some(first) = messages.first().filter(|m| m.role == "system") {
         open_turn(out, "system");
         push_text_parts(out, &first.content);
@@ -220,7 +258,7 @@ fn render_qwen3_vl(out: &mut String, messages: &[ChatMessage]) {
 }
 
 /// The Qwen2.5-VL Instruct template.
-fn render_qwen25_vl(out: &mut String, messages: &[ChatMessage]) {
+fn render_qwen25_vl(out: &mut RenderedChat, messages: &[ChatMessage]) {
     for (i, message) in messages.iter().enumerate() {
         if i == 0 && message.role != "system" {
             open_turn(out, "system");
