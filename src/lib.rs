@@ -9,5 +9,6 @@ pub mod engine;
 pub mod error;
 pub mod model;
 pub mod tokenize;
+pub mod vision;
 
 pub use error::{Error, Result};

@@ -44,10 +44,15 @@ fn qwen3_vl_8b_and_gui_owl() {
         );
         let v = c.vision.as_ref().unwrap();
         assert_eq!(
-            (v["depth"].as_u64(), v["hidden_size"].as_u64()),
-            (Some(27), Some(1152))
+            (v.depth, v.hidden_size, v.intermediate_size, v.num_heads),
+            (27, 1152, 4304, 16)
         );
-        assert_eq!(v["deepstack_visual_indexes"], serde_json::json!([8, 16, 24]));
+        assert_eq!(
+            (v.patch_size, v.spatial_merge_size, v.temporal_patch_size),
+            (16, 2, 2)
+        );
+        assert_eq!((v.num_position_embeddings, v.out_hidden_size), (2304, 4096));
+        assert_eq!(v.deepstack_visual_indexes, vec![8, 16, 24]);
     }
 }
 
@@ -63,10 +68,12 @@ fn qwen3_vl_2b() {
         (t.num_attention_heads, t.num_key_value_heads, t.head_dim),
         (16, 8, 128)
     );
+    let v = c.vision.as_ref().unwrap();
     assert_eq!(
-        c.vision.as_ref().unwrap()["deepstack_visual_indexes"],
-        serde_json::json!([5, 11, 17])
+        (v.depth, v.hidden_size, v.intermediate_size, v.num_heads),
+        (24, 1024, 4096, 16)
     );
+    assert_eq!(v.deepstack_visual_indexes, vec![5, 11, 17]);
 }
 
 #[test]

@@ -38,8 +38,6 @@ pub trait Backend: Send + Sync {
     fn zeros(&self, rows: usize, cols: usize) -> Result<Self::Tensor>;
     /// Rows `start..start + len` of `x` as a new tensor.
     fn rows(&self, x: &Self::Tensor, start: usize, len: usize) -> Result<Self::Tensor>;
-    /// Writes `src` into `dst` starting at row `row` (same number of columns).
-    fn write_rows(&self, dst: &mut Self::Tensor, row: usize, src: &Self::Tensor) -> Result<()>;
 
     /// Gathers rows `ids` of an embedding table `[vocab, hidden]`.
     fn embedding(&self, table: &Self::Weight, ids: &[u32]) -> Result<Self::Tensor>;
@@ -56,16 +54,21 @@ pub trait Backend: Send + Sync {
     /// Rotary embedding of `x: [n, heads · head_dim]` with per-row tables `cos, sin: [n, head_dim]`
     /// (HF's `rotate_half` convention: the two halves of each head are the pair).
     fn rope(&self, x: &Self::Tensor, cos: &Self::Tensor, sin: &Self::Tensor) -> Result<Self::Tensor>;
-    /// Causal attention of `q: [n, q_heads · head_dim]` over the first `kv_len` rows of
-    /// `k, v: [capacity, kv_heads · head_dim]`; query row `i` sits at cache row `kv_len - n + i` and
-    /// attends to rows `0..=kv_len - n + i`. Grouped-query: q head `h` reads kv head
-    /// `h / (q_heads / kv_heads)`.
-    fn attention(
+    /// Causal attention over a paged KV pool for a batch of sequences.
+    ///
+    /// `q: [Σ rows, q_heads · head_dim]` holds the new tokens of every sequence in `seqs`, in order;
+    /// `k_pool, v_pool: [num_blocks · block_size, kv_heads · head_dim]` hold every sequence's keys and
+    /// values (the new ones already written). Row `i` of a sequence with `rows` new tokens and
+    /// `context_len` valid tokens sits at position `context_len - rows + i` and attends to positions
+    /// `0..=context_len - rows + i`, found through its block table. Grouped-query: q head `h` reads kv
+    /// head `h / (q_heads / kv_heads)`.
+    fn paged_attention(
         &self,
         q: &Self::Tensor,
-        k: &Self::Tensor,
-        v: &Self::Tensor,
+        k_pool: &Self::Tensor,
+        v_pool: &Self::Tensor,
         shape: AttnShape,
+        seqs: &[PagedSeq<'_>],
     ) -> Result<Self::Tensor>;
     /// LayerNorm over each row: `(x - mean) / sqrt(var + eps) · weight + bias`.
     fn layer_norm(
@@ -128,6 +131,17 @@ pub struct AttnShape {
     pub q_heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
-    /// Rows of the cache that are valid after this call's K/V were written.
-    pub kv_len: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+}
+
+/// One sequence of a paged attention call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PagedSeq<'a> {
+    /// New tokens (rows of `q`) of this sequence.
+    pub rows: usize,
+    /// Tokens whose K/V are valid, the new ones included.
+    pub context_len: usize,
+    /// Pool blocks holding the sequence's tokens, in order.
+    pub block_table: &'a [u32],
 }

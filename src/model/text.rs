@@ -8,7 +8,7 @@
 
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::backend::{AttnShape, Backend};
+use crate::backend::{AttnShape, Backend, PagedSeq};
 use crate::error::{Error, Result};
 use crate::model::config::TextConfig;
 use crate::model::loader::Checkpoint;
@@ -49,12 +49,32 @@ struct DecoderLayer<B: Backend> {
     mlp: Mlp<B>,
 }
 
-/// Keys and values of every layer for one sequence, stored contiguously.
+/// Keys and values of every layer in a pool of fixed-size blocks. Which block holds which tokens is
+/// the business of the block manager (`kv/`); the pool only stores rows.
+pub struct KvPool<B: Backend> {
+    k: Vec<B::Tensor>, // per layer [num_blocks · block_size, kv_heads · head_dim]
+    v: Vec<B::Tensor>, // per layer [num_blocks · block_size, kv_heads · head_dim]
+    block_size: usize,
+    num_blocks: usize,
+}
+
+impl<B: Backend> KvPool<B> {
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Blocks in the pool.
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+}
+
+/// Keys and values of one sequence, stored contiguously: a pool of a single block as long as the
+/// capacity.
 pub struct KvCache<B: Backend> {
-    k: Vec<B::Tensor>, // per layer [capacity, kv_heads · head_dim]
-    v: Vec<B::Tensor>, // per layer [capacity, kv_heads · head_dim]
+    pool: KvPool<B>,
     len: usize,
-    capacity: usize,
 }
 
 impl<B: Backend> KvCache<B> {
@@ -70,13 +90,37 @@ impl<B: Backend> KvCache<B> {
 
     /// Most tokens the cache can hold.
     pub fn capacity(&self) -> usize {
-        self.capacity
+        self.pool.block_size
     }
 
     /// Forgets every token from `len` on (rows stay allocated and are overwritten later).
     pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);
     }
+}
+
+/// One sequence's new tokens in a batched forward.
+pub struct BatchItem<'a, T> {
+    pub ids: &'a [u32],
+    /// One position triple per id.
+    pub positions: &'a Positions,
+    /// Image features (and other injected embedding runs) for rows of this item, row indices
+    /// relative to `ids`.
+    pub visual: &'a [VisualFeatures<T>],
+    /// Pool blocks of the whole sequence (covering `start + ids.len()` tokens).
+    pub block_table: &'a [u32],
+    /// Tokens of the sequence already in the pool; `ids[0]` is token `start`.
+    pub start: usize,
+    /// Which of this item's rows get logits (`None`: none).
+    pub logits: Option<LogitsFor>,
+}
+
+/// Outputs of a batched forward.
+pub struct BatchOutput<T> {
+    /// Per item, its logits (`[1 or rows, vocab]`) when requested.
+    pub logits: Vec<Option<T>>,
+    /// When requested: the input embeddings, then every decoder layer's output, each `[Σ rows, hidden]`.
+    pub hidden_states: Vec<T>,
 }
 
 /// What a forward pass returns.
@@ -213,15 +257,24 @@ impl<B: Backend> TextModel<B> {
         &self.cfg
     }
 
-    /// An empty cache for up to `capacity` tokens.
-    pub fn new_cache(&self, be: &B, capacity: usize) -> Result<KvCache<B>> {
+    /// A zeroed pool of `num_blocks` blocks of `block_size` tokens.
+    pub fn new_pool(&self, be: &B, num_blocks: usize, block_size: usize) -> Result<KvPool<B>> {
         let kvd = self.cfg.num_key_value_heads * self.cfg.head_dim;
         let n = self.cfg.num_hidden_layers;
+        let rows = num_blocks * block_size;
+        Ok(KvPool {
+            k: (0..n).map(|_| be.zeros(rows, kvd)).collect::<Result<_>>()?,
+            v: (0..n).map(|_| be.zeros(rows, kvd)).collect::<Result<_>>()?,
+            block_size,
+            num_blocks,
+        })
+    }
+
+    /// An empty contiguous cache for up to `capacity` tokens of one sequence.
+    pub fn new_cache(&self, be: &B, capacity: usize) -> Result<KvCache<B>> {
         Ok(KvCache {
-            k: (0..n).map(|_| be.zeros(capacity, kvd)).collect::<Result<_>>()?,
-            v: (0..n).map(|_| be.zeros(capacity, kvd)).collect::<Result<_>>()?,
+            pool: self.new_pool(be, 1, capacity.max(1))?,
             len: 0,
-            capacity,
         })
     }
 
@@ -241,84 +294,127 @@ impl<B: Backend> TextModel<B> {
         logits_for: LogitsFor,
         keep_hidden: bool,
     ) -> Result<ForwardOutput<B::Tensor>> {
-        if ids.is_empty() || pos.len() != ids.len() {
-            return Err(Error::InvalidRequest(format!(
-                "forward needs at least one token and one position per token ({} ids, {} positions)",
-                ids.len(),
-                pos.len()
-            )));
-        }
-        if cache.len + ids.len() > cache.capacity {
+        if cache.len + ids.len() > cache.capacity() {
             return Err(Error::PromptTooLong {
                 tokens: cache.len + ids.len(),
-                limit: cache.capacity,
+                limit: cache.capacity(),
             });
         }
-        let mut x = be.embedding(&self.embed_tokens, ids)?;
-        if let Some(v) = visual {
-            if v.deepstack.len() > self.layers.len() {
-                return Err(Error::InvalidRequest(format!(
-                    "{} deepstack features for {} decoder layers",
-                    v.deepstack.len(),
-                    self.layers.len()
-                )));
-            }
-            be.scatter_rows(&mut x, &v.rows, &v.embeds, false)?;
-        }
-        self.forward_embeds(be, x, pos, visual, cache, logits_for, keep_hidden)
+        let item = BatchItem {
+            ids,
+            positions: pos,
+            visual: visual.map(std::slice::from_ref).unwrap_or_default(),
+            block_table: &[0],
+            start: cache.len,
+            logits: Some(logits_for),
+        };
+        let mut out = self.forward_batch(be, &[item], &mut cache.pool, keep_hidden)?;
+        cache.len += ids.len();
+        let logits = out
+            .logits
+            .pop()
+            .flatten()
+            .ok_or_else(|| Error::InvalidRequest("no logits".into()))?;
+        Ok(ForwardOutput {
+            logits,
+            hidden_states: out.hidden_states,
+        })
     }
 
-    /// Like [`TextModel::forward`], from input embeddings `[n, hidden]` (image embeddings already in
-    /// place; `visual` then only supplies deepstack features).
-    #[allow(clippy::too_many_arguments)]
-    pub fn forward_embeds(
+    /// Runs the new tokens of several sequences through the decoder in one pass, writing their K/V
+    /// into `pool`. Each row's result is the same as if its sequence ran alone (the backend contract).
+    pub fn forward_batch(
         &self,
         be: &B,
-        mut x: B::Tensor,
-        pos: &Positions,
-        visual: Option<&VisualFeatures<B::Tensor>>,
-        cache: &mut KvCache<B>,
-        logits_for: LogitsFor,
+        items: &[BatchItem<'_, B::Tensor>],
+        pool: &mut KvPool<B>,
         keep_hidden: bool,
-    ) -> Result<ForwardOutput<B::Tensor>> {
-        let n = be.dims(&x).0;
-        if pos.len() != n || cache.len + n > cache.capacity {
-            return Err(Error::InvalidRequest(format!(
-                "{n} input rows with {} positions into a cache holding {} of {}",
-                pos.len(),
-                cache.len,
-                cache.capacity
-            )));
+    ) -> Result<BatchOutput<B::Tensor>> {
+        let plan = BatchPlan::new(items, pool.block_size, self.layers.len())?;
+        let mut x = be.embedding(&self.embed_tokens, &plan.ids)?;
+        for (item, &offset) in items.iter().zip(&plan.offsets) {
+            for v in item.visual {
+                let rows: Vec<usize> = v.rows.iter().map(|r| r + offset).collect();
+                be.scatter_rows(&mut x, &rows, &v.embeds, false)?;
+            }
         }
-        let (cos, sin) = self.mrope.tables(pos);
+        let n = plan.ids.len();
+        let (cos, sin) = self.mrope.tables(&plan.positions);
         let cos = be.upload(&cos, n, self.cfg.head_dim)?;
         let sin = be.upload(&sin, n, self.cfg.head_dim)?;
+        let seqs: Vec<PagedSeq> = items
+            .iter()
+            .map(|it| PagedSeq {
+                rows: it.ids.len(),
+                context_len: it.start + it.ids.len(),
+                block_table: it.block_table,
+            })
+            .collect();
         let mut hidden_states = Vec::new();
         for (i, layer) in self.layers.iter().enumerate() {
             if keep_hidden {
                 hidden_states.push(be.rows(&x, 0, n)?);
             }
-            x = self.layer_forward(be, layer, i, x, (&cos, &sin), cache)?;
-            if let Some(ds) = visual.and_then(|v| v.deepstack.get(i).map(|d| (&v.rows, d))) {
-                be.scatter_rows(&mut x, ds.0, ds.1, true)?;
+            x = self.layer_forward(be, layer, i, x, (&cos, &sin), pool, &plan.slots, &seqs)?;
+            for (item, &offset) in items.iter().zip(&plan.offsets) {
+                for (v, ds) in item
+                    .visual
+                    .iter()
+                    .filter_map(|v| v.deepstack.get(i).map(|d| (v, d)))
+                {
+                    let rows: Vec<usize> = v.rows.iter().map(|r| r + offset).collect();
+                    be.scatter_rows(&mut x, &rows, ds, true)?;
+                }
             }
         }
         if keep_hidden {
             hidden_states.push(be.rows(&x, 0, n)?);
         }
-        cache.len += n;
-        let x = match logits_for {
-            LogitsFor::All => x,
-            LogitsFor::Last => be.rows(&x, n - 1, 1)?,
-        };
-        let x = be.rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)?;
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
-        Ok(ForwardOutput {
-            logits: be.linear(&x, head, None)?,
+        Ok(BatchOutput {
+            logits: self.logits(be, &x, items, &plan.offsets)?,
             hidden_states,
         })
     }
 
+    /// Final norm and lm_head on the rows that want logits, split per item.
+    fn logits(
+        &self,
+        be: &B,
+        x: &B::Tensor,
+        items: &[BatchItem<'_, B::Tensor>],
+        offsets: &[usize],
+    ) -> Result<Vec<Option<B::Tensor>>> {
+        let mut rows = Vec::new();
+        let mut spans = Vec::new();
+        for (item, &offset) in items.iter().zip(offsets) {
+            let n = item.ids.len();
+            let range = match item.logits {
+                None => offset..offset,
+                Some(LogitsFor::All) => offset..offset + n,
+                Some(LogitsFor::Last) => offset + n - 1..offset + n,
+            };
+            spans.push((rows.len(), range.len()));
+            rows.extend(range);
+        }
+        if rows.is_empty() {
+            return Ok(items.iter().map(|_| None).collect());
+        }
+        let h = be.rms_norm(&be.gather_rows(x, &rows)?, &self.norm, self.cfg.rms_norm_eps)?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
+        let logits = be.linear(&h, head, None)?;
+        spans
+            .into_iter()
+            .map(|(start, len)| {
+                if len == 0 {
+                    Ok(None)
+                } else {
+                    be.rows(&logits, start, len).map(Some)
+                }
+            })
+            .collect()
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn layer_forward(
         &self,
         be: &B,
@@ -326,7 +422,9 @@ impl<B: Backend> TextModel<B> {
         index: usize,
         x: B::Tensor,
         (cos, sin): (&B::Tensor, &B::Tensor),
-        cache: &mut KvCache<B>,
+        pool: &mut KvPool<B>,
+        slots: &[usize],
+        seqs: &[PagedSeq<'_>],
     ) -> Result<B::Tensor> {
         let eps = self.cfg.rms_norm_eps;
         let attn = &layer.self_attn;
@@ -340,19 +438,70 @@ impl<B: Backend> TextModel<B> {
         }
         let q = be.rope(&q, cos, sin)?;
         let k = be.rope(&k, cos, sin)?;
-        be.write_rows(&mut cache.k[index], cache.len, &k)?;
-        be.write_rows(&mut cache.v[index], cache.len, &v)?;
+        be.scatter_rows(&mut pool.k[index], slots, &k, false)?;
+        be.scatter_rows(&mut pool.v[index], slots, &v, false)?;
         let shape = AttnShape {
             q_heads: self.cfg.num_attention_heads,
             kv_heads: self.cfg.num_key_value_heads,
             head_dim: self.cfg.head_dim,
-            kv_len: cache.len + be.dims(&x).0,
+            block_size: pool.block_size,
         };
-        let a = be.attention(&q, &cache.k[index], &cache.v[index], shape)?;
+        let a = be.paged_attention(&q, &pool.k[index], &pool.v[index], shape, seqs)?;
         let x = be.add(&x, &attn.o_proj.forward(be, &a)?)?;
         let h = be.rms_norm(&x, &layer.post_attention_layernorm, eps)?;
         let mlp = &layer.mlp;
         let g = be.silu_mul(&mlp.gate_proj.forward(be, &h)?, &mlp.up_proj.forward(be, &h)?)?;
         be.add(&x, &mlp.down_proj.forward(be, &g)?)
+    }
+}
+
+/// The concatenated inputs of a batch and where each token's K/V go.
+struct BatchPlan {
+    ids: Vec<u32>,
+    positions: Positions,
+    /// Pool row of every new token.
+    slots: Vec<usize>,
+    /// First row of each item.
+    offsets: Vec<usize>,
+}
+
+impl BatchPlan {
+    fn new<T>(items: &[BatchItem<'_, T>], block_size: usize, layers: usize) -> Result<Self> {
+        let mut plan = BatchPlan {
+            ids: Vec::new(),
+            positions: Positions::default(),
+            slots: Vec::new(),
+            offsets: Vec::new(),
+        };
+        for (k, it) in items.iter().enumerate() {
+            let n = it.ids.len();
+            let bad = |msg: String| Err(Error::InvalidRequest(format!("batch item {k}: {msg}")));
+            if n == 0 || it.positions.len() != n {
+                return bad(format!("{n} ids with {} positions", it.positions.len()));
+            }
+            if it.block_table.len() * block_size < it.start + n {
+                return bad(format!(
+                    "{} blocks of {block_size} cannot hold {} tokens",
+                    it.block_table.len(),
+                    it.start + n
+                ));
+            }
+            for v in it.visual {
+                if v.rows.iter().any(|&r| r >= n) || v.deepstack.len() > layers {
+                    return bad("image rows or deepstack features out of range".into());
+                }
+            }
+            plan.offsets.push(plan.ids.len());
+            plan.ids.extend_from_slice(it.ids);
+            plan.positions.extend(it.positions);
+            plan.slots.extend(
+                (it.start..it.start + n)
+                    .map(|t| it.block_table[t / block_size] as usize * block_size + t % block_size),
+            );
+        }
+        if plan.ids.is_empty() {
+            return Err(Error::InvalidRequest("empty batch".into()));
+        }
+        Ok(plan)
     }
 }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use super::{AttnShape, Backend, Gelu};
+use super::{AttnShape, Backend, Gelu, PagedSeq};
 use crate::error::{Error, Result};
 use crate::model::loader::{Dtype, MappedFile, TensorRef};
 
@@ -194,20 +194,6 @@ impl Backend for CpuBackend {
         })
     }
 
-    fn write_rows(&self, dst: &mut CpuTensor, row: usize, src: &CpuTensor) -> Result<()> {
-        if src.cols != dst.cols || row + src.rows > dst.rows {
-            return Err(shape_err(
-                "write_rows",
-                format!(
-                    "[{}, {}] at row {row} into [{}, {}]",
-                    src.rows, src.cols, dst.rows, dst.cols
-                ),
-            ));
-        }
-        dst.data[row * dst.cols..(row + src.rows) * dst.cols].copy_from_slice(&src.data);
-        Ok(())
-    }
-
     fn embedding(&self, table: &CpuWeight, ids: &[u32]) -> Result<CpuTensor> {
         let vocab = table.shape[0];
         let cols = table.row_len();
@@ -301,21 +287,43 @@ impl Backend for CpuBackend {
         Ok(out)
     }
 
-    fn attention(&self, q: &CpuTensor, k: &CpuTensor, v: &CpuTensor, s: AttnShape) -> Result<CpuTensor> {
+    fn paged_attention(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        s: AttnShape,
+        seqs: &[PagedSeq<'_>],
+    ) -> Result<CpuTensor> {
+        let rows: usize = seqs.iter().map(|x| x.rows).sum();
         let ok = s.kv_heads > 0
+            && s.block_size > 0
             && s.q_heads % s.kv_heads == 0
             && q.cols == s.q_heads * s.head_dim
             && k.cols == s.kv_heads * s.head_dim
             && (k.rows, k.cols) == (v.rows, v.cols)
-            && s.kv_len <= k.rows
-            && q.rows <= s.kv_len;
+            && rows == q.rows
+            && seqs.iter().all(|x| {
+                x.rows <= x.context_len
+                    && x.block_table.len() * s.block_size >= x.context_len
+                    && x.block_table
+                        .iter()
+                        .all(|&b| (b as usize + 1) * s.block_size <= k.rows)
+            });
         if !ok {
             return Err(shape_err(
-                "attention",
-                format!("q [{}, {}], kv [{}, {}], {s:?}", q.rows, q.cols, k.rows, k.cols),
+                "paged_attention",
+                format!(
+                    "q [{}, {}], pool [{}, {}], {s:?}, {} sequences",
+                    q.rows,
+                    q.cols,
+                    k.rows,
+                    k.cols,
+                    seqs.len()
+                ),
             ));
         }
-        Ok(ops::attention(q, k, v, s))
+        Ok(ops::paged_attention(q, k, v, s, seqs))
     }
 
     fn layer_norm(&self, x: &CpuTensor, weight: &CpuWeight, bias: &CpuWeight, eps: f32) -> Result<CpuTensor> {

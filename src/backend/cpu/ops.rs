@@ -3,7 +3,7 @@
 use rayon::prelude::*;
 
 use super::{CpuTensor, CpuWeight};
-use crate::backend::AttnShape;
+use crate::backend::{AttnShape, PagedSeq};
 
 /// Lanes of the dot-product accumulator: wide enough for the compiler to vectorise, fixed so that
 /// the order of additions never depends on the machine or the batch.
@@ -87,18 +87,34 @@ pub(super) fn rope_head(x: &mut [f32], cos: &[f32], sin: &[f32]) {
     }
 }
 
-/// Causal grouped-query attention; one task per (query row, head).
-pub(super) fn attention(q: &CpuTensor, k: &CpuTensor, v: &CpuTensor, s: AttnShape) -> CpuTensor {
+/// Causal grouped-query attention over the paged pool; one task per (query row, head).
+pub(super) fn paged_attention(
+    q: &CpuTensor,
+    k: &CpuTensor,
+    v: &CpuTensor,
+    s: AttnShape,
+    seqs: &[PagedSeq<'_>],
+) -> CpuTensor {
     let d = s.head_dim;
     let group = s.q_heads / s.kv_heads;
     let scale = 1.0 / (d as f32).sqrt();
-    let first = s.kv_len - q.rows;
+    // Per query row: the pool slots it may attend to (its sequence's slots up to its own position).
+    let mut row_slots: Vec<(std::sync::Arc<Vec<usize>>, usize)> = Vec::with_capacity(q.rows);
+    for seq in seqs {
+        let slots: Vec<usize> = (0..seq.context_len)
+            .map(|t| seq.block_table[t / s.block_size] as usize * s.block_size + t % s.block_size)
+            .collect();
+        let slots = std::sync::Arc::new(slots);
+        let first = seq.context_len - seq.rows;
+        row_slots.extend((0..seq.rows).map(|i| (slots.clone(), first + i + 1)));
+    }
     let mut out = vec![0f32; q.rows * q.cols];
     out.par_chunks_mut(d).enumerate().for_each(|(idx, o)| {
         let (r, h) = (idx / s.q_heads, idx % s.q_heads);
         let kvh = h / group;
         let qv = &q.data[r * q.cols + h * d..r * q.cols + (h + 1) * d];
-        attend(qv, k, v, 0..first + r + 1, kvh * d, scale, o);
+        let (slots, visible) = &row_slots[r];
+        attend(qv, k, v, slots[..*visible].iter().copied(), kvh * d, scale, o);
     });
     CpuTensor {
         data: out,
@@ -136,7 +152,7 @@ fn attend(
     qv: &[f32],
     k: &CpuTensor,
     v: &CpuTensor,
-    keys: std::ops::Range<usize>,
+    keys: impl Iterator<Item = usize> + Clone,
     col: usize,
     scale: f32,
     o: &mut [f32],

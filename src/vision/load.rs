@@ -1,0 +1,276 @@
+//! Image sources and decoding: a path, a `file://` URL or a `data:image/...;base64,` URL to an 8-bit RGB
+//! image, converted the way HF's torchvision backend decodes a path
+//! (`torchvision.io.decode_image(path, mode=RGB, apply_exif_orientation=True)`).
+
+use std::fmt;
+use std::io::Cursor;
+use std::path::PathBuf;
+
+use base64::Engine as _;
+use image::{DynamicImage, ImageDecoder, ImageFormat, ImageReader, RgbImage};
+
+use crate::error::{Error, Result};
+
+/// Where an image comes from.
+///
+/// ```
+/// use recall::vision::ImageSource;
+///
+/// assert!(matches!(ImageSource::parse("shots/a.png").unwrap(), ImageSource::Path(_)));
+/// assert!(matches!(ImageSource::parse("file:///tmp/a.png").unwrap(), ImageSource::Path(_)));
+/// assert!(matches!(ImageSource::parse("data:image/png;base64,iVBORw0KGgo=").unwrap(), ImageSource::Bytes { .. }));
+/// let err = ImageSource::parse("https://example.com/a.png").unwrap_err().to_string();
+/// assert!(err.contains("not fetched"));
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub enum ImageSource {
+    /// A local file.
+    Path(PathBuf),
+    /// Encoded bytes already in memory (e.g. from a `data:` URL); `name` is used in error messages.
+    Bytes { name: String, data: Vec<u8> },
+}
+
+impl fmt::Display for ImageSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ImageSource::Path(p) => write!(f, "{}", p.display()),
+            ImageSource::Bytes { name, .. } => f.write_str(name),
+        }
+    }
+}
+
+impl ImageSource {
+    /// Parse an image reference as a chat request carries it: a local path, a `file://` URL or a
+    /// `data:image/<type>;base64,<payload>` URL. `http(s)://` URLs are refused: recall has no network access
+    /// at run time.
+    pub fn parse(s: &str) -> Result<Self> {
+        let t = s.trim();
+        let lower = t.get(..t.len().min(16)).unwrap_or("").to_ascii_lowercase();
+        if lower.starts_with("http://") || lower.starts_with("https://") {
+            return Err(Error::InvalidRequest(format!(
+                "remote image URL {t} is not fetched (recall has no network access at run time); \
+                 pass a local path, a file:// URL or a data:image/...;base64 URL"
+            )));
+        }
+        if lower.starts_with("data:") {
+            return Self::parse_data_url(t);
+        }
+        if lower.starts_with("file://") {
+            let rest = &t[7..];
+            let rest = rest.strip_prefix("localhost").unwrap_or(rest);
+            if !rest.starts_with('/') {
+                return Err(Error::InvalidRequest(format!(
+                    "file URL {t} must be absolute (file:///path/to/image.png)"
+                )));
+            }
+            return Ok(ImageSource::Path(PathBuf::from(percent_decode(rest, t)?)));
+        }
+        if let Some(i) = t.find("://") {
+            if t[..i]
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c))
+                && i > 1
+            {
+                return Err(Error::InvalidRequest(format!(
+                    "image URL {t} has unsupported scheme `{}` (supported: local paths, file://, data:)",
+                    &t[..i]
+                )));
+            }
+        }
+        if t.is_empty() {
+            return Err(Error::InvalidRequest("empty image reference".into()));
+        }
+        Ok(ImageSource::Path(PathBuf::from(t)))
+    }
+
+    fn parse_data_url(url: &str) -> Result<Self> {
+        let short = shorten(url);
+        let bad = |m: &str| Err(Error::InvalidRequest(format!("malformed data URL {short}: {m}")));
+        let Some((header, payload)) = url.split_once(',') else {
+            return bad("no ',' separating the header from the payload");
+        };
+        let media = header[5..].to_ascii_lowercase();
+        let mut parts = media.split(';');
+        let mime = parts.next().unwrap_or("");
+        if !mime.starts_with("image/") {
+            return bad(&format!("media type `{mime}` is not image/*"));
+        }
+        if !parts.any(|p| p == "base64") {
+            return bad("only ;base64 data URLs are supported");
+        }
+        let cleaned: String = payload.chars().filter(|c| !c.is_ascii_whitespace()).collect();
+        let data = match base64::engine::general_purpose::STANDARD.decode(cleaned.as_bytes()) {
+            Ok(d) => d,
+            Err(e) => return bad(&format!("invalid base64 payload: {e}")),
+        };
+        Ok(ImageSource::Bytes {
+            name: format!("data URL ({mime}, {} bytes)", data.len()),
+            data,
+        })
+    }
+
+    /// Read and decode the image into 8-bit RGB.
+    ///
+    /// ```no_run
+    /// let img = recall::vision::ImageSource::parse("screenshot.png")?.load()?;
+    /// println!("{}x{}", img.width(), img.height());
+    /// # Ok::<(), recall::Error>(())
+    /// ```
+    pub fn load(&self) -> Result<RgbImage> {
+        match self {
+            ImageSource::Path(p) => {
+                let data = std::fs::read(p).map_err(|e| Error::io(p, e))?;
+                decode_image_bytes(&data, &p.display().to_string())
+            }
+            ImageSource::Bytes { name, data } => decode_image_bytes(data, name),
+        }
+    }
+}
+
+fn shorten(s: &str) -> String {
+    if s.len() <= 60 {
+        s.to_string()
+    } else {
+        let cut = (0..=60).rev().find(|&i| s.is_char_boundary(i)).unwrap_or(0);
+        format!("{}... ({} chars)", &s[..cut], s.len())
+    }
+}
+
+fn percent_decode(s: &str, whole: &str) -> Result<String> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' {
+            let hex = s.get(i + 1..i + 3).and_then(|h| u8::from_str_radix(h, 16).ok());
+            let Some(v) = hex else {
+                return Err(Error::InvalidRequest(format!(
+                    "file URL {whole} has a bad %-escape"
+                )));
+            };
+            out.push(v);
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).map_err(|_| Error::InvalidRequest(format!("file URL {whole} is not valid UTF-8")))
+}
+
+/// Identify the container from its magic bytes: `Ok(format)` for the supported ones, an error naming the
+/// format otherwise.
+fn sniff(data: &[u8], name: &str) -> Result<ImageFormat> {
+    const SUPPORTED: &str = "supported: PNG, JPEG, WebP";
+    if data.is_empty() {
+        return Err(Error::InvalidRequest(format!(
+            "{name}: empty file (0 bytes), not an image"
+        )));
+    }
+    if data.starts_with(b"\x89PNG\r\n\x1a\n") {
+        return Ok(ImageFormat::Png);
+    }
+    if data.starts_with(&[0xFF, 0xD8, 0xFF]) {
+        return Ok(ImageFormat::Jpeg);
+    }
+    if data.len() >= 12 && &data[..4] == b"RIFF" && &data[8..12] == b"WEBP" {
+        return Ok(ImageFormat::WebP);
+    }
+    let other = if data.starts_with(b"GIF87a") || data.starts_with(b"GIF89a") {
+        Some("GIF")
+    } else if data.starts_with(b"BM") {
+        Some("BMP")
+    } else if data.starts_with(b"II*\0") || data.starts_with(b"MM\0*") {
+        Some("TIFF")
+    } else if data.starts_with(&[0, 0, 1, 0]) {
+        Some("ICO")
+    } else if data.starts_with(b"qoif") {
+        Some("QOI")
+    } else if data.len() >= 12 && &data[4..8] == b"ftyp" {
+        Some("AVIF/HEIF")
+    } else {
+        None
+    };
+    Err(Error::InvalidRequest(match other {
+        Some(fmt) => format!("{name}: unsupported image format {fmt} ({SUPPORTED})"),
+        None => format!("{name}: unrecognised image format ({SUPPORTED})"),
+    }))
+}
+
+/// Decode PNG / JPEG / WebP bytes into 8-bit RGB; `name` (a path or URL) is used in error messages.
+///
+/// Conversion matches torchvision's `decode_image(mode=RGB)`: gray is replicated to three channels, alpha is
+/// dropped (not composited), palettes are expanded, the EXIF orientation is applied. 16-bit samples keep
+/// their high byte (as PIL's `RGB;16B` unpacking does).
+///
+/// ```
+/// let err = recall::vision::decode_image_bytes(b"GIF89a....", "x.gif").unwrap_err().to_string();
+/// assert!(err.contains("GIF") && err.contains("PNG, JPEG, WebP"));
+/// ```
+pub fn decode_image_bytes(data: &[u8], name: &str) -> Result<RgbImage> {
+    let format = sniff(data, name)?;
+    let corrupt =
+        |e: image::ImageError| Error::InvalidRequest(format!("{name}: cannot decode {format:?} image: {e}"));
+    let mut decoder = ImageReader::with_format(Cursor::new(data), format)
+        .into_decoder()
+        .map_err(corrupt)?;
+    let (w, h) = decoder.dimensions();
+    if w == 0 || h == 0 {
+        return Err(Error::InvalidRequest(format!(
+            "{name}: zero-size image ({w}x{h})"
+        )));
+    }
+    let orientation = decoder
+        .orientation()
+        .unwrap_or(image::metadata::Orientation::NoTransforms);
+    let mut img = DynamicImage::from_decoder(decoder).map_err(corrupt)?;
+    img.apply_orientation(orientation);
+    if img.width() == 0 || img.height() == 0 {
+        return Err(Error::InvalidRequest(format!(
+            "{name}: zero-size image ({}x{})",
+            img.width(),
+            img.height()
+        )));
+    }
+    Ok(to_rgb8(img))
+}
+
+/// Any color type to RGB8: drop alpha, replicate gray, 16-bit -> high byte, float -> clamp(round(255 v)).
+fn to_rgb8(img: DynamicImage) -> RgbImage {
+    let (w, h) = (img.width(), img.height());
+    match img {
+        DynamicImage::ImageRgb8(i) => i,
+        DynamicImage::ImageRgba8(i) => RgbImage::from_fn(w, h, |x, y| {
+            let p = i.get_pixel(x, y).0;
+            image::Rgb([p[0], p[1], p[2]])
+        }),
+        DynamicImage::ImageLuma8(i) => {
+            RgbImage::from_fn(w, h, |x, y| image::Rgb([i.get_pixel(x, y).0[0]; 3]))
+        }
+        DynamicImage::ImageLumaA8(i) => {
+            RgbImage::from_fn(w, h, |x, y| image::Rgb([i.get_pixel(x, y).0[0]; 3]))
+        }
+        DynamicImage::ImageLuma16(i) => {
+            RgbImage::from_fn(w, h, |x, y| image::Rgb([(i.get_pixel(x, y).0[0] >> 8) as u8; 3]))
+        }
+        DynamicImage::ImageLumaA16(i) => {
+            RgbImage::from_fn(w, h, |x, y| image::Rgb([(i.get_pixel(x, y).0[0] >> 8) as u8; 3]))
+        }
+        DynamicImage::ImageRgb16(i) => RgbImage::from_fn(w, h, |x, y| {
+            let p = i.get_pixel(x, y).0;
+            image::Rgb([(p[0] >> 8) as u8, (p[1] >> 8) as u8, (p[2] >> 8) as u8])
+        }),
+        DynamicImage::ImageRgba16(i) => RgbImage::from_fn(w, h, |x, y| {
+            let p = i.get_pixel(x, y).0;
+            image::Rgb([(p[0] >> 8) as u8, (p[1] >> 8) as u8, (p[2] >> 8) as u8])
+        }),
+        other => {
+            // f32 variants (not produced by the PNG/JPEG/WebP decoders): clamp(round(255 v)), alpha dropped.
+            let f = other.into_rgb32f();
+            RgbImage::from_fn(w, h, |x, y| {
+                let p = f.get_pixel(x, y).0;
+                image::Rgb(p.map(|v| (v * 255.0).round().clamp(0.0, 255.0) as u8))
+            })
+        }
+    }
+}
