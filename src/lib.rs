@@ -7,6 +7,7 @@
 pub mod backend;
 pub mod engine;
 pub mod error;
+pub mod kv;
 pub mod model;
 pub mod tokenize;
 pub mod vision;

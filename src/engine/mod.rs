@@ -1,14 +1,24 @@
 //! Generation and scoring on a loaded model.
 //!
-//! This is the single-sequence path over a contiguous KV cache; the paged, batched engine builds on the
-//! same model interface. [`Pipeline`] bundles a model with its tokenizer for chat-level calls.
+//! [`Engine`] is the serving path: prompts of text, images (by content hash) and embedding runs;
+//! continuous batching of chunked prefills and decodes over a paged KV pool with exact prefix reuse;
+//! a vision-embedding cache. [`generate`] and [`score`] are the single-sequence reference path over a
+//! contiguous cache. [`Pipeline`] bundles a model with its tokenizer and image preprocessing for
+//! chat-level calls.
 
+mod core;
 pub mod generate;
 pub mod input;
 pub mod pipeline;
+pub mod prompt;
 pub mod score;
+mod sequence;
+pub mod vision_cache;
 
+pub use self::core::{Engine, EngineConfig, EngineOutput, Outcome, RequestOptions};
 pub use generate::{generate, FinishReason, GenerateParams, Generation};
 pub use input::PromptInput;
 pub use pipeline::{Pipeline, PromptLogits};
+pub use prompt::{ImageHash, ImageRole, Prompt, Segment};
 pub use score::{score, Score};
+pub use sequence::{RequestId, Task};

@@ -4,12 +4,13 @@
 use std::path::Path;
 
 use crate::backend::Backend;
-use crate::engine::{generate, score, GenerateParams, Generation, PromptInput, Score};
+use crate::engine::prompt::{ImageHash, ImageRole, Prompt, Segment};
+use crate::engine::{generate, score, Engine, EngineConfig, GenerateParams, Generation, PromptInput, Score};
 use crate::error::{Error, Result};
 use crate::model::{rope_index, Family, GridThw, LogitsFor, QwenVl, Span, VisualFeatures};
 use crate::tokenize::chat::{render_chat_with_images, ChatFamily, ChatMessage};
 use crate::tokenize::Tokenizer;
-use crate::vision::{preprocess, ImageSource, PixelValues, PreprocessConfig};
+use crate::vision::{preprocess, preprocess_image, ImageSource, PixelValues, PreprocessConfig};
 
 /// A loaded model, its tokenizer and its image preprocessing on one backend.
 pub struct Pipeline<B: Backend> {
@@ -156,6 +157,63 @@ impl<B: Backend> Pipeline<B> {
             }),
             next_position,
         })
+    }
+
+    /// An engine over this pipeline's model (see [`Engine`]).
+    pub fn engine(&self, cfg: EngineConfig) -> Result<Engine<'_, B>> {
+        Engine::new(&self.backend, &self.model, Some(&self.tokenizer), cfg)
+    }
+
+    /// Renders `messages` into an engine [`Prompt`]: text runs and images by content hash. Images the
+    /// engine has not seen are preprocessed and encoded once (later prompts showing the same pixels
+    /// reuse the cached embeddings). The last image is the `Current` screenshot, earlier ones `History`.
+    pub fn chat_prompt(
+        &self,
+        engine: &mut Engine<'_, B>,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<Prompt> {
+        let rendered = render_chat_with_images(self.chat_family(), messages, add_generation_prompt);
+        let ids = self.tokenizer.encode(&rendered.text)?;
+        let pad = self.model.config.image_token_id.unwrap_or(u32::MAX);
+        let pads = ids.iter().filter(|&&t| t == pad).count();
+        if pads != rendered.images.len() {
+            return Err(Error::InvalidRequest(format!(
+                "the prompt has {pads} image placeholders for {} images",
+                rendered.images.len()
+            )));
+        }
+        let mut segments = Vec::new();
+        let mut text = Vec::new();
+        let mut images = rendered.images.iter().enumerate();
+        for id in ids {
+            if id != pad {
+                text.push(id);
+                continue;
+            }
+            let Some((i, src)) = images.next() else { break };
+            let source = ImageSource::parse(src)?;
+            let img = source.load()?;
+            let hash = ImageHash::of_image(&img);
+            let grid = if engine.has_image(hash) {
+                engine.image_grid(hash).unwrap_or_default()
+            } else {
+                let pixels = preprocess_image(&img, &self.preprocess)
+                    .map_err(|e| Error::InvalidRequest(format!("{source}: {e}")))?;
+                engine.add_image(hash, &pixels)?;
+                pixels.grid_thw
+            };
+            segments.push(Segment::Text(std::mem::take(&mut text)));
+            let role = if i + 1 == rendered.images.len() {
+                ImageRole::Current
+            } else {
+                ImageRole::History
+            };
+            segments.push(Segment::Image { hash, grid, role });
+        }
+        segments.push(Segment::Text(text));
+        segments.retain(|s| !matches!(s, Segment::Text(t) if t.is_empty()));
+        Ok(Prompt { segments })
     }
 
     /// The model's end-of-sequence ids, falling back to the tokenizer's `<|im_end|>`.

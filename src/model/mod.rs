@@ -13,7 +13,9 @@ use std::path::Path;
 pub use config::{Family, ModelConfig, TextConfig};
 pub use loader::Checkpoint;
 pub use mrope::{rope_index, Positions, Span};
-pub use text::{ForwardOutput, KvCache, LogitsFor, TextModel, VisualFeatures};
+pub use text::{
+    BatchItem, BatchOutput, ForwardOutput, KvCache, KvPool, LogitsFor, TextModel, VisualFeatures,
+};
 pub use vision::{GridThw, VisionConfig, VisionOutput};
 
 use crate::backend::Backend;
