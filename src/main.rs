@@ -6,6 +6,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use recall::backend::cpu::CpuBackend;
 use recall::engine::Pipeline;
+use recall::model::AdapterMode;
 use recall::tokenize::chat::{parse_messages, ChatMessage};
 
 #[derive(Parser)]
@@ -28,6 +29,16 @@ struct ModelArgs {
     /// tokenizer.json to use [default: MODEL/tokenizer.json].
     #[arg(long)]
     tokenizer: Option<PathBuf>,
+    /// K/V LoRA adapter: a PEFT directory or a reference-format safetensors file.
+    #[arg(long)]
+    adapter: Option<PathBuf>,
+    /// Where the adapter acts: gated (history screenshots only), ungated (every token) or off.
+    #[arg(long, default_value = "gated", value_parser = parse_mode)]
+    adapter_mode: AdapterMode,
+}
+
+fn parse_mode(s: &str) -> std::result::Result<AdapterMode, String> {
+    s.parse().map_err(|e: recall::Error| e.to_string())
 }
 
 #[derive(Subcommand)]
@@ -77,8 +88,13 @@ enum Command {
 }
 
 fn load(args: &ModelArgs) -> Result<Pipeline<CpuBackend>> {
-    Pipeline::load(CpuBackend, &args.model, args.tokenizer.as_deref())
-        .with_context(|| format!("loading the model in {}", args.model.display()))
+    let mut p = Pipeline::load(CpuBackend, &args.model, args.tokenizer.as_deref())
+        .with_context(|| format!("loading the model in {}", args.model.display()))?;
+    if let Some(adapter) = &args.adapter {
+        p.load_adapter(adapter, args.adapter_mode)
+            .with_context(|| format!("loading the adapter {}", adapter.display()))?;
+    }
+    Ok(p)
 }
 
 fn read_messages(path: &PathBuf) -> Result<Vec<ChatMessage>> {

@@ -217,3 +217,54 @@ fn bad_image_fails_cleanly() {
         assert!(!err.contains("panicked"), "{url} panicked: {err}");
     }
 }
+
+#[test]
+fn adapter_flags_load_and_apply_the_adapter() {
+    let model = fixture("tiny-qwen3-vl");
+    let reference = Reference::load(&fixture("hgkv-ref"), "reference");
+    let tmp = tempfile::tempdir().unwrap();
+    let messages = tmp.path().join("messages.json");
+    std::fs::write(&messages, reference.prompts()[0]["messages"].to_string()).unwrap();
+    let out = tmp.path().join("logits.safetensors");
+    let adapter = fixture("hgkv-peft");
+    let o = recall(&[
+        "logits",
+        "--model",
+        model.to_str().unwrap(),
+        "--adapter",
+        adapter.to_str().unwrap(),
+        "--adapter-mode",
+        "ungated",
+        "--messages",
+        messages.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let bytes = std::fs::read(&out).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let got: Vec<f32> = st
+        .tensor("logits")
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    let (want, _) = reference.f32("p0.logits_ungated");
+    assert!(max_abs_diff(&got, &want) <= 1e-4);
+
+    let o = recall(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "x",
+        "--adapter-mode",
+        "sideways",
+    ]);
+    assert!(
+        !o.status.success() && stderr(&o).contains("sideways"),
+        "{}",
+        stderr(&o)
+    );
+}

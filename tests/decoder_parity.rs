@@ -48,6 +48,7 @@ fn check_forward(p: &Pipeline<CpuBackend>, reference: &Reference, i: usize, name
             ids,
             &Positions::text(0, ids.len()),
             None,
+            &[],
             &mut cache,
             LogitsFor::All,
             true,

@@ -104,6 +104,7 @@ fn run_one(engine: &mut Engine<'_, CpuBackend>, prompt: &Prompt, n: usize) -> Ru
     let opts = RequestOptions {
         return_logits: true,
         salt: 0,
+        ..RequestOptions::default()
     };
     let id = engine
         .add_request_with(prompt, Task::Generate(params(n)), opts)
@@ -143,23 +144,29 @@ fn chunked_cached_and_batched_runs_are_bitwise_identical() {
         );
 
         // After a cached prefix ending right before an image, right after it, or anywhere.
-        let cut = rng.usize(1..prompt.segments.len());
-        let prefix = Prompt {
-            segments: prompt.segments[..cut].to_vec(),
-        };
-        let mut e = f.engine(EngineConfig {
-            prefix_caching: true,
-            chunk_size: rng.usize(3..40),
-            ..unchunked()
-        });
-        run_one(&mut e, &prefix, 1);
-        let got = run_one(&mut e, &prompt, 4);
-        assert_eq!(
-            (&got.0, &got.1),
-            (&reference.0, &reference.1),
-            "case {case}: after a prefix of {cut} segments"
-        );
-        assert!(e.check_invariants().is_ok());
+        let first_image = prompt
+            .segments
+            .iter()
+            .position(|s| matches!(s, Segment::Image { .. }))
+            .unwrap();
+        for cut in [first_image, first_image + 1, rng.usize(1..prompt.segments.len())] {
+            let prefix = Prompt {
+                segments: prompt.segments[..cut].to_vec(),
+            };
+            let mut e = f.engine(EngineConfig {
+                prefix_caching: true,
+                chunk_size: rng.usize(3..40),
+                ..unchunked()
+            });
+            run_one(&mut e, &prefix, 1);
+            let got = run_one(&mut e, &prompt, 4);
+            assert_eq!(
+                (&got.0, &got.1),
+                (&reference.0, &reference.1),
+                "case {case}: after a prefix of {cut} segments"
+            );
+            e.check_invariants().unwrap();
+        }
 
         // Batched with other sequences of other lengths (and chunked).
         let mut e = f.engine(EngineConfig {
@@ -174,6 +181,7 @@ fn chunked_cached_and_batched_runs_are_bitwise_identical() {
         let opts = RequestOptions {
             return_logits: true,
             salt: 0,
+            ..RequestOptions::default()
         };
         let id = e
             .add_request_with(&prompt, Task::Generate(params(4)), opts)
@@ -246,6 +254,7 @@ fn different_image_or_salt_shares_no_block_from_there_on() {
     let opts = RequestOptions {
         return_logits: false,
         salt: 0xada9,
+        ..RequestOptions::default()
     };
     let id = e
         .add_request_with(&with_image(0), Task::Generate(params(1)), opts)
@@ -277,15 +286,17 @@ fn small_pool_random_run_keeps_invariants_and_outputs() {
         .map(|(p, n)| run_one(&mut f.engine(unchunked()), p, *n).0)
         .collect();
 
+    // A byte capacity of 120 blocks: 3 layers · K and V · 4 tokens · 2 kv heads · 32 dims · 4 bytes.
     let cfg = EngineConfig {
         block_size: 4,
-        num_blocks: 120,
+        kv_cache_bytes: Some(120 * 3 * 2 * 4 * 2 * 32 * 4),
         chunk_size: 16,
         max_batch_tokens: 40,
         prefix_caching: true,
         ..EngineConfig::default()
     };
     let mut e = f.engine(cfg);
+    assert_eq!(e.config().num_blocks, 120);
     let mut ids = Vec::new();
     let mut outputs = Vec::new();
     let mut next = 0;

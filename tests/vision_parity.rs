@@ -11,12 +11,12 @@ mod common;
 
 use std::path::Path;
 
-use common::{fixture, max_abs_diff, Reference};
+use common::{fixture, hf_pixels, max_abs_diff, Reference};
 use recall::backend::{cpu::CpuBackend, Backend};
 use recall::engine::{generate, GenerateParams, Pipeline, PromptInput};
 use recall::model::LogitsFor;
 use recall::tokenize::chat::{parse_messages, render_chat_with_images, ChatFamily, ChatMessage};
-use recall::vision::{preprocess, ImageSource, PixelValues};
+use recall::vision::{preprocess, ImageSource};
 
 const TOL: f32 = 1e-4;
 
@@ -27,28 +27,6 @@ fn messages(prompt: &serde_json::Value) -> Vec<ChatMessage> {
         .to_string()
         .replace("\"tests/fixtures/", &format!("\"{root}/tests/fixtures/"));
     parse_messages(&text, Path::new("fixture")).unwrap()
-}
-
-/// HF's pixel values of prompt `i`, split per image.
-fn hf_pixels(reference: &Reference, i: usize, patch_dim: usize) -> Vec<PixelValues> {
-    let (data, shape) = reference.f32(&format!("v{i}.pixel_values"));
-    assert_eq!(shape[1], patch_dim);
-    let grids = reference.ids(&format!("v{i}.image_grid_thw"));
-    let mut offset = 0;
-    grids
-        .chunks(3)
-        .map(|g| {
-            let grid = [g[0] as usize, g[1] as usize, g[2] as usize];
-            let n = grid.iter().product::<usize>() * patch_dim;
-            offset += n;
-            PixelValues {
-                data: data[offset - n..offset].to_vec(),
-                grid_thw: grid,
-                patch_dim,
-                resized: image::RgbImage::new(0, 0),
-            }
-        })
-        .collect()
 }
 
 fn check_family(name: &str, family: ChatFamily) {
@@ -109,6 +87,7 @@ fn check_family(name: &str, family: ChatFamily) {
                 &ours.ids,
                 &ours.positions,
                 visual,
+                &[],
                 &mut cache,
                 LogitsFor::All,
                 false,
@@ -129,9 +108,9 @@ fn check_family(name: &str, family: ChatFamily) {
         let rendered = render_chat_with_images(family, &msgs, true);
         let ids = p.tokenizer.encode(&rendered.text).unwrap();
         let hf = p
-            .prepare_ids(&ids, &hf_pixels(&reference, i, cfg.patch_dim()))
+            .prepare_ids(&ids, &hf_pixels(&reference, &format!("v{i}"), cfg.patch_dim()))
             .unwrap();
-        let grids: Vec<u32> = hf_pixels(&reference, i, cfg.patch_dim())
+        let grids: Vec<u32> = hf_pixels(&reference, &format!("v{i}"), cfg.patch_dim())
             .iter()
             .flat_map(|px| px.grid_thw.map(|g| g as u32))
             .collect();
@@ -169,6 +148,7 @@ fn check_family(name: &str, family: ChatFamily) {
                 &hf.ids,
                 &hf.positions,
                 Some(visual),
+                &[],
                 &mut cache,
                 LogitsFor::All,
                 false,

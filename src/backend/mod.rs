@@ -47,6 +47,8 @@ pub trait Backend: Send + Sync {
     /// RMSNorm over groups of `weight.len()` consecutive columns (one group per row for the
     /// hidden norm, one per head for q/k norms): `x / sqrt(mean(x²) + eps) · weight`.
     fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Weight, eps: f32) -> Result<Self::Tensor>;
+    /// Elementwise `s · x`.
+    fn scale(&self, x: &Self::Tensor, s: f32) -> Result<Self::Tensor>;
     /// Elementwise `a + b`.
     fn add(&self, a: &Self::Tensor, b: &Self::Tensor) -> Result<Self::Tensor>;
     /// SwiGLU: `silu(gate) · up`.

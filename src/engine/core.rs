@@ -15,13 +15,13 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use crate::backend::Backend;
-use crate::engine::prompt::{FlatPrompt, ImageHash, Prompt, Segment};
+use crate::engine::prompt::{FlatPrompt, ImageHash, ImageRole, Prompt, Segment};
 use crate::engine::sequence::{Injected, RequestId, Sequence, Task};
 use crate::engine::vision_cache::{VisionCache, VisionEntry};
 use crate::engine::{FinishReason, GenerateParams, Generation, Score};
 use crate::error::{Error, Result};
 use crate::kv::{KvBlockManager, KvStats, TokenKey};
-use crate::model::{BatchItem, KvPool, LogitsFor, QwenVl, VisualFeatures};
+use crate::model::{AdapterMode, BatchItem, KvPool, LogitsFor, QwenVl, VisualFeatures};
 use crate::tokenize::Tokenizer;
 use crate::vision::PixelValues;
 
@@ -30,8 +30,10 @@ use crate::vision::PixelValues;
 pub struct EngineConfig {
     /// Tokens per KV block.
     pub block_size: usize,
-    /// Blocks in the KV pool.
+    /// Blocks in the KV pool (ignored when `kv_cache_bytes` is set).
     pub num_blocks: usize,
+    /// Size the KV pool by bytes instead: as many blocks as fit.
+    pub kv_cache_bytes: Option<usize>,
     /// Most prompt tokens of one sequence per step (chunked prefill).
     pub chunk_size: usize,
     /// Most tokens in one batched forward.
@@ -47,6 +49,7 @@ impl Default for EngineConfig {
         EngineConfig {
             block_size: 16,
             num_blocks: 1024,
+            kv_cache_bytes: None,
             chunk_size: 512,
             max_batch_tokens: 2048,
             vision_cache_bytes: 1 << 30,
@@ -71,9 +74,12 @@ pub enum Outcome {
 pub struct RequestOptions {
     /// Return the logits of every generation decision.
     pub return_logits: bool,
-    /// Cache salt for request-wide state that changes K/V (adapter id and gate mode): requests with
-    /// different salts share no block.
+    /// Cache salt for other request-wide state that changes K/V: requests with different salts
+    /// share no block.
     pub salt: u64,
+    /// Where the model's adapter acts (its id and the gate enter the cache key of every token it
+    /// touches, so gated K/V are never served to an ungated or adapter-free request).
+    pub adapter: AdapterMode,
 }
 
 /// A finished request.
@@ -129,8 +135,19 @@ impl<'m, B: Backend> Engine<'m, B> {
         be: &'m B,
         model: &'m QwenVl<B>,
         tokenizer: Option<&'m Tokenizer>,
-        cfg: EngineConfig,
+        mut cfg: EngineConfig,
     ) -> Result<Self> {
+        if let Some(bytes) = cfg.kv_cache_bytes {
+            let t = model.text.config();
+            // K and V, every layer, f32 rows of kv_heads · head_dim.
+            let per_block = 2 * t.num_hidden_layers * cfg.block_size * t.num_key_value_heads * t.head_dim * 4;
+            cfg.num_blocks = bytes / per_block.max(1);
+            tracing::info!(
+                blocks = cfg.num_blocks,
+                bytes_per_block = per_block,
+                "KV pool sized by bytes"
+            );
+        }
         if cfg.block_size == 0 || cfg.num_blocks == 0 || cfg.chunk_size == 0 || cfg.max_batch_tokens == 0 {
             return Err(Error::InvalidRequest(format!(
                 "engine sizes must be positive: {cfg:?}"
@@ -288,7 +305,16 @@ impl<'m, B: Backend> Engine<'m, B> {
         }
         let id = self.next_id;
         self.next_id += 1;
-        let mut seq = Sequence::new(id, task, flat, keys, injected);
+        let (gate, adapter) = self.gates(prompt, &flat, opts.adapter)?;
+        let keys = match adapter {
+            Some((aid, _)) => keys
+                .iter()
+                .zip(&gate)
+                .map(|(k, &g)| if g { k.with_adapter(aid) } else { *k })
+                .collect(),
+            None => keys,
+        };
+        let mut seq = Sequence::new(id, task, flat, keys, injected, gate, adapter);
         seq.return_logits = opts.return_logits;
         seq.salt = opts.salt;
         let limit = self.model.text.config().max_position_embeddings;
@@ -305,6 +331,39 @@ impl<'m, B: Backend> Engine<'m, B> {
         }
         self.waiting.push_back(seq);
         Ok(id)
+    }
+
+    /// Per prompt token, whether the adapter acts on it; and the adapter's id and whether it also acts
+    /// after the prompt.
+    #[allow(clippy::type_complexity)]
+    fn gates(
+        &self,
+        prompt: &Prompt,
+        flat: &FlatPrompt,
+        mode: AdapterMode,
+    ) -> Result<(Vec<bool>, Option<(u64, bool)>)> {
+        let n = flat.ids.len();
+        if mode == AdapterMode::Off {
+            return Ok((vec![false; n], None));
+        }
+        let adapter = self.model.text.adapter().ok_or_else(|| {
+            Error::InvalidRequest(format!("adapter mode {mode:?} but no adapter is loaded"))
+        })?;
+        let mut gate = vec![mode == AdapterMode::Ungated; n];
+        if mode == AdapterMode::Gated {
+            for run in &flat.runs {
+                if let Segment::Image {
+                    role: ImageRole::History,
+                    ..
+                } = prompt.segments[run.segment]
+                {
+                    gate[run.start..run.start + run.len]
+                        .iter_mut()
+                        .for_each(|g| *g = true);
+                }
+            }
+        }
+        Ok((gate, Some((adapter.id, mode == AdapterMode::Ungated))))
     }
 
     /// Whether requests are waiting or running.
@@ -454,6 +513,7 @@ impl<'m, B: Backend> Engine<'m, B> {
 
     fn run(&mut self, work: &[Work]) -> Result<Vec<Option<B::Tensor>>> {
         let mut tables = Vec::with_capacity(work.len());
+        let mut lora = Vec::with_capacity(work.len());
         let mut features = Vec::with_capacity(work.len());
         let mut positions = Vec::with_capacity(work.len());
         for w in work {
@@ -469,6 +529,7 @@ impl<'m, B: Backend> Engine<'m, B> {
             );
             features.push(self.chunk_features(s, w.start, w.len)?);
             positions.push(s.positions(w.start, w.start + w.len));
+            lora.push(s.lora_rows(w.start, w.start + w.len));
         }
         let items: Vec<BatchItem<B::Tensor>> = work
             .iter()
@@ -480,6 +541,7 @@ impl<'m, B: Backend> Engine<'m, B> {
                 block_table: &tables[k],
                 start: w.start,
                 logits: w.logits,
+                lora_rows: &lora[k],
             })
             .collect();
         self.forwards += 1;
@@ -567,9 +629,13 @@ impl<'m, B: Backend> Engine<'m, B> {
         // The new token is computed next step; it needs a slot now.
         let kv =
             s.kv.ok_or_else(|| Error::InvalidRequest("sequence not admitted".into()))?;
-        blocks.append(kv, TokenKey::text(next))?;
-        s.tokens.push(next);
-        s.keys.push(TokenKey::text(next));
+        s.push_token(next);
+        if let Err(e) = blocks.append(kv, *s.keys.last().unwrap_or(&TokenKey::text(next))) {
+            s.tokens.pop();
+            s.keys.pop();
+            s.gate.pop();
+            return Err(e);
+        }
         Ok(None)
     }
 

@@ -80,11 +80,13 @@ pub fn generate<B: Backend>(
         let out = match tokens.last() {
             None => {
                 let (ids, pos, visual) = (&prompt.ids, &prompt.positions, prompt.visual.as_ref());
-                model.forward(be, ids, pos, visual, &mut cache, LogitsFor::Last, false)?
+                let lora = prompt.lora_rows();
+                model.forward(be, ids, pos, visual, &lora, &mut cache, LogitsFor::Last, false)?
             }
             Some(&last) => {
                 let pos = prompt.continuation(tokens.len() - 1, 1);
-                model.forward(be, &[last], &pos, None, &mut cache, LogitsFor::Last, false)?
+                let lora: &[usize] = if prompt.lora_after_prompt() { &[0] } else { &[] };
+                model.forward(be, &[last], &pos, None, lora, &mut cache, LogitsFor::Last, false)?
             }
         };
         let next = be.argmax(&out.logits)?[0];

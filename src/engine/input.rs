@@ -1,7 +1,7 @@
 //! A prompt ready for the model: token ids, their M-RoPE positions and the image features that replace
 //! the image-pad tokens.
 
-use crate::model::{Positions, VisualFeatures};
+use crate::model::{AdapterMode, Positions, VisualFeatures};
 
 /// A prepared prompt.
 pub struct PromptInput<T> {
@@ -12,6 +12,10 @@ pub struct PromptInput<T> {
     pub visual: Option<VisualFeatures<T>>,
     /// The position of the first token after the prompt; generated tokens continue from here.
     pub next_position: i64,
+    /// Rows holding the merged tokens of History images (where the gated adapter acts).
+    pub history_rows: Vec<usize>,
+    /// Where the loaded adapter acts for this prompt.
+    pub adapter: AdapterMode,
 }
 
 impl<T> PromptInput<T> {
@@ -27,7 +31,23 @@ impl<T> PromptInput<T> {
             positions: Positions::text(0, ids.len()),
             visual: None,
             next_position: ids.len() as i64,
+            history_rows: Vec::new(),
+            adapter: AdapterMode::Off,
         }
+    }
+
+    /// Prompt rows whose K/V the adapter updates.
+    pub fn lora_rows(&self) -> Vec<usize> {
+        match self.adapter {
+            AdapterMode::Off => Vec::new(),
+            AdapterMode::Gated => self.history_rows.clone(),
+            AdapterMode::Ungated => (0..self.ids.len()).collect(),
+        }
+    }
+
+    /// Whether the adapter also acts on tokens after the prompt (generated or scored ones).
+    pub fn lora_after_prompt(&self) -> bool {
+        self.adapter == AdapterMode::Ungated
     }
 
     /// Positions for `n` tokens that follow the prompt after `offset` generated tokens.

@@ -7,7 +7,7 @@ use crate::backend::Backend;
 use crate::engine::prompt::{ImageHash, ImageRole, Prompt, Segment};
 use crate::engine::{generate, score, Engine, EngineConfig, GenerateParams, Generation, PromptInput, Score};
 use crate::error::{Error, Result};
-use crate::model::{rope_index, Family, GridThw, LogitsFor, QwenVl, Span, VisualFeatures};
+use crate::model::{rope_index, AdapterMode, Family, GridThw, LogitsFor, QwenVl, Span, VisualFeatures};
 use crate::tokenize::chat::{render_chat_with_images, ChatFamily, ChatMessage};
 use crate::tokenize::Tokenizer;
 use crate::vision::{preprocess, preprocess_image, ImageSource, PixelValues, PreprocessConfig};
@@ -19,6 +19,8 @@ pub struct Pipeline<B: Backend> {
     pub tokenizer: Tokenizer,
     /// How screenshots become patches (`preprocessor_config.json`, else the family's defaults).
     pub preprocess: PreprocessConfig,
+    /// Where the loaded adapter (if any) acts on prepared prompts.
+    pub adapter_mode: AdapterMode,
 }
 
 /// Full-sequence logits of a prompt.
@@ -74,7 +76,15 @@ impl<B: Backend> Pipeline<B> {
             model,
             tokenizer,
             preprocess,
+            adapter_mode: AdapterMode::Off,
         })
+    }
+
+    /// Loads a K/V LoRA adapter and sets where it acts.
+    pub fn load_adapter(&mut self, path: &Path, mode: AdapterMode) -> Result<()> {
+        self.model.load_adapter(&self.backend, path)?;
+        self.adapter_mode = mode;
+        Ok(())
     }
 
     fn chat_family(&self) -> ChatFamily {
@@ -94,7 +104,10 @@ impl<B: Backend> Pipeline<B> {
         let rendered = render_chat_with_images(self.chat_family(), messages, add_generation_prompt);
         let ids = self.tokenizer.encode(&rendered.text)?;
         if rendered.images.is_empty() {
-            return Ok(PromptInput::text(&ids));
+            return Ok(PromptInput {
+                adapter: self.adapter_mode,
+                ..PromptInput::text(&ids)
+            });
         }
         let images = rendered
             .images
@@ -120,6 +133,7 @@ impl<B: Backend> Pipeline<B> {
             )));
         }
         let (mut expanded, mut rows, mut spans) = (Vec::new(), Vec::new(), Vec::new());
+        let mut history_rows = Vec::new();
         let mut next_image = images.iter();
         let mut text_run = 0;
         for &id in ids {
@@ -136,6 +150,10 @@ impl<B: Backend> Pipeline<B> {
                 w: w / merge,
             });
             let n = t * (h / merge) * (w / merge);
+            // Every image but the last (the current screenshot) is history.
+            if rows.len() + n < images.iter().map(|p| p.num_merged_tokens(merge)).sum() {
+                history_rows.extend(expanded.len()..expanded.len() + n);
+            }
             rows.extend(expanded.len()..expanded.len() + n);
             expanded.extend(std::iter::repeat_n(pad, n));
         }
@@ -156,6 +174,8 @@ impl<B: Backend> Pipeline<B> {
                 deepstack: out.deepstack,
             }),
             next_position,
+            history_rows,
+            adapter: self.adapter_mode,
         })
     }
 
@@ -288,6 +308,7 @@ impl<B: Backend> Pipeline<B> {
             &prompt.ids,
             &prompt.positions,
             visual,
+            &prompt.lora_rows(),
             &mut cache,
             LogitsFor::All,
             false,

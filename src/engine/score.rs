@@ -48,12 +48,17 @@ pub fn score<B: Backend>(
     let mut cache = model.new_cache(be, ids.len())?;
     let mut pos = prompt.positions.clone();
     pos.extend(&prompt.continuation(0, target.len()));
+    let mut lora = prompt.lora_rows();
+    if prompt.lora_after_prompt() {
+        lora.extend(prompt.ids.len()..ids.len());
+    }
     // Logits are needed only from the last prompt position on; the final position predicts nothing.
     let out = model.forward(
         be,
         &ids,
         &pos,
         prompt.visual.as_ref(),
+        &lora,
         &mut cache,
         LogitsFor::All,
         false,

@@ -40,6 +40,10 @@ pub(crate) struct Sequence<T> {
     pub tokens: Vec<u32>,
     /// Cache key of every token in `tokens`.
     pub keys: Vec<TokenKey>,
+    /// Whether the adapter acts on each token of `tokens`.
+    pub gate: Vec<bool>,
+    /// The adapter's id and whether it acts on tokens after the prompt (ungated mode).
+    pub adapter: Option<(u64, bool)>,
     /// Positions of the prompt's tokens; later tokens continue from `next_position`.
     pub positions: Positions,
     pub next_position: i64,
@@ -64,12 +68,15 @@ pub(crate) struct Sequence<T> {
 }
 
 impl<T> Sequence<T> {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         id: RequestId,
         task: Task,
         flat: FlatPrompt,
         keys: Vec<TokenKey>,
         injected: Vec<Injected<T>>,
+        gate: Vec<bool>,
+        adapter: Option<(u64, bool)>,
     ) -> Self {
         let prompt_len = flat.ids.len();
         let mut s = Sequence {
@@ -77,6 +84,8 @@ impl<T> Sequence<T> {
             task,
             tokens: flat.ids,
             keys,
+            gate,
+            adapter,
             positions: flat.positions,
             next_position: flat.next_position,
             prompt_len,
@@ -92,19 +101,37 @@ impl<T> Sequence<T> {
         };
         match &s.task {
             Task::Score { target } => {
-                let target = target.clone();
-                s.keys.extend(target.iter().map(|&t| TokenKey::text(t)));
-                s.tokens.extend(target);
+                for t in target.clone() {
+                    s.push_token(t);
+                }
             }
             Task::Warm { len } => {
                 let len = (*len).min(s.tokens.len());
                 s.tokens.truncate(len);
                 s.keys.truncate(len);
+                s.gate.truncate(len);
                 s.prompt_len = len;
             }
             Task::Generate(_) => {}
         }
         s
+    }
+
+    /// Appends a token after the prompt (a scoring target or a generated token), gated when the
+    /// adapter acts on every token.
+    pub fn push_token(&mut self, t: u32) {
+        let (key, gate) = match self.adapter {
+            Some((id, true)) => (TokenKey::text(t).with_adapter(id), true),
+            _ => (TokenKey::text(t), false),
+        };
+        self.tokens.push(t);
+        self.keys.push(key);
+        self.gate.push(gate);
+    }
+
+    /// Rows of `a..b` (relative to `a`) the adapter acts on.
+    pub fn lora_rows(&self, a: usize, b: usize) -> Vec<usize> {
+        (a..b).filter(|&i| self.gate[i]).map(|i| i - a).collect()
     }
 
     /// Tokens whose K/V this sequence needs before it can produce its next output.

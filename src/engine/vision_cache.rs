@@ -109,3 +109,28 @@ impl<T> VisionCache<T> {
         self.entries.is_empty()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(bytes: usize) -> VisionEntry<()> {
+        VisionEntry {
+            grid: [1, 2, 2],
+            embeds: (),
+            deepstack: Vec::new(),
+            bytes,
+        }
+    }
+
+    #[test]
+    fn evicts_least_recently_used_under_capacity() {
+        let mut c = VisionCache::new(1, 100);
+        c.insert(ImageHash(1), entry(40));
+        c.insert(ImageHash(2), entry(40));
+        assert!(c.get(ImageHash(1)).is_some()); // 1 is now more recent than 2
+        c.insert(ImageHash(3), entry(40));
+        assert!(c.contains(ImageHash(1)) && c.contains(ImageHash(3)) && !c.contains(ImageHash(2)));
+        assert_eq!((c.used_bytes(), c.evictions, c.tower_runs, c.hits), (80, 1, 3, 1));
+    }
+}

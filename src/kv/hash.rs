@@ -22,6 +22,7 @@ const TAG_TEXT: u8 = b'T';
 const TAG_IMAGE: u8 = b'I';
 const TAG_EMBED: u8 = b'E';
 const TAG_BLOCK: u8 = b'B';
+const TAG_ADAPTER: u8 = b'A';
 
 /// What determines one token's K/V besides its position and the request salt.
 ///
@@ -54,6 +55,23 @@ impl TokenKey {
     /// `run_hash`.
     pub fn embed(run_hash: u64, index_in_run: u32) -> Self {
         Self(tagged(TAG_EMBED, run_hash, index_in_run))
+    }
+
+    /// This token with adapter `adapter_id` applied to its K/V (the HGKV gate is on for it). Tokens
+    /// after it need no mark: the chain of parent hashes carries the difference forward.
+    ///
+    /// ```
+    /// use recall::kv::TokenKey;
+    /// let t = TokenKey::image(0xfeed, 3);
+    /// assert_ne!(t.with_adapter(1), t);
+    /// assert_ne!(t.with_adapter(1), t.with_adapter(2));
+    /// ```
+    pub fn with_adapter(self, adapter_id: u64) -> Self {
+        let mut buf = [0u8; 17];
+        buf[0] = TAG_ADAPTER;
+        buf[1..9].copy_from_slice(&self.0.to_le_bytes());
+        buf[9..17].copy_from_slice(&adapter_id.to_le_bytes());
+        Self(xxh64(&buf, 0))
     }
 
     /// The key's 64-bit value.

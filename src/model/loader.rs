@@ -159,6 +159,8 @@ pub struct Checkpoint {
     /// The directory (or file) the checkpoint was opened from, for error messages.
     pub source: PathBuf,
     tensors: HashMap<String, TensorRef>,
+    /// The string entries of every file's `__metadata__`.
+    pub metadata: HashMap<String, String>,
 }
 
 impl Checkpoint {
@@ -218,17 +220,26 @@ impl Checkpoint {
         Ok(ckpt)
     }
 
+    /// Opens one safetensors file.
+    pub fn open_file(path: &Path) -> Result<Self> {
+        Self::open_files(path, &[path.to_path_buf()])
+    }
+
     fn open_files(source: &Path, files: &[PathBuf]) -> Result<Self> {
         let mut tensors = HashMap::new();
+        let mut metadata = HashMap::new();
         for path in files {
-            for t in parse_file(path)? {
+            let (refs, meta) = parse_file(path)?;
+            for t in refs {
                 tensors.insert(t.name.clone(), t);
             }
+            metadata.extend(meta);
         }
         tracing::debug!(tensors = tensors.len(), files = files.len(), "checkpoint mapped");
         Ok(Checkpoint {
             source: source.to_path_buf(),
             tensors,
+            metadata,
         })
     }
 
@@ -253,8 +264,9 @@ impl Checkpoint {
     }
 }
 
-/// Maps one safetensors file and validates its header against the file size.
-fn parse_file(path: &Path) -> Result<Vec<TensorRef>> {
+/// Maps one safetensors file and validates its header against the file size; returns its tensors and
+/// the string entries of its `__metadata__`.
+fn parse_file(path: &Path) -> Result<(Vec<TensorRef>, HashMap<String, String>)> {
     let bad = |message: String| Error::Safetensors {
         path: path.to_path_buf(),
         message,
@@ -287,8 +299,15 @@ fn parse_file(path: &Path) -> Result<Vec<TensorRef>> {
         mmap,
     });
     let mut out = Vec::with_capacity(header.len());
+    let mut metadata = HashMap::new();
     for (name, info) in header {
         if name == "__metadata__" {
+            if let Some(m) = info.as_object() {
+                metadata.extend(
+                    m.iter()
+                        .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string()))),
+                );
+            }
             continue;
         }
         let dtype = match info.get("dtype").and_then(Value::as_str) {
@@ -336,5 +355,5 @@ fn parse_file(path: &Path) -> Result<Vec<TensorRef>> {
             end: data_start + end,
         });
     }
-    Ok(out)
+    Ok((out, metadata))
 }

@@ -1,6 +1,7 @@
 //! Models: configuration, checkpoint loading and the Qwen-VL architectures.
 
 pub mod config;
+pub mod hgkv;
 pub mod loader;
 pub mod mrope;
 pub mod text;
@@ -11,6 +12,7 @@ pub mod vision_qwen3;
 use std::path::Path;
 
 pub use config::{Family, ModelConfig, TextConfig};
+pub use hgkv::AdapterMode;
 pub use loader::Checkpoint;
 pub use mrope::{rope_index, Positions, Span};
 pub use text::{
@@ -46,6 +48,14 @@ impl<B: Backend> VisionTower<B> {
 }
 
 impl<B: Backend> QwenVl<B> {
+    /// Loads a K/V LoRA adapter (PEFT directory or reference safetensors) into the decoder,
+    /// replacing any previous one.
+    pub fn load_adapter(&mut self, backend: &B, path: &Path) -> Result<()> {
+        let adapter = hgkv::Adapter::load(backend, path, &self.config.text)?;
+        self.text.set_adapter(Some(adapter));
+        Ok(())
+    }
+
     /// Reads `dir/config.json` and maps the checkpoint's weights onto `backend`.
     ///
     /// ```no_run

@@ -11,6 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use crate::backend::{AttnShape, Backend, PagedSeq};
 use crate::error::{Error, Result};
 use crate::model::config::TextConfig;
+use crate::model::hgkv::{Adapter, LayerLora};
 use crate::model::loader::Checkpoint;
 use crate::model::mrope::{MRope, Positions};
 
@@ -113,6 +114,8 @@ pub struct BatchItem<'a, T> {
     pub start: usize,
     /// Which of this item's rows get logits (`None`: none).
     pub logits: Option<LogitsFor>,
+    /// Rows (relative to `ids`) whose K/V the adapter updates; empty for none.
+    pub lora_rows: &'a [usize],
 }
 
 /// Outputs of a batched forward.
@@ -159,6 +162,8 @@ pub struct TextModel<B: Backend> {
     /// `None` when the embeddings are tied (no `lm_head.weight` in the checkpoint).
     lm_head: Option<B::Weight>,
     mrope: MRope,
+    /// The K/V LoRA adapter, if one is loaded.
+    adapter: Option<Adapter<B>>,
 }
 
 /// Where a family's text weights live in the checkpoint.
@@ -225,6 +230,7 @@ impl<B: Backend> TextModel<B> {
             norm: ld.weight(&format!("{p}.norm.weight"), &[h])?,
             lm_head,
             mrope: MRope::new(cfg),
+            adapter: None,
         })
     }
 
@@ -255,6 +261,16 @@ impl<B: Backend> TextModel<B> {
     /// The decoder's configuration.
     pub fn config(&self) -> &TextConfig {
         &self.cfg
+    }
+
+    /// Installs (or removes) the K/V LoRA adapter.
+    pub fn set_adapter(&mut self, adapter: Option<Adapter<B>>) {
+        self.adapter = adapter;
+    }
+
+    /// The loaded adapter.
+    pub fn adapter(&self) -> Option<&Adapter<B>> {
+        self.adapter.as_ref()
     }
 
     /// A zeroed pool of `num_blocks` blocks of `block_size` tokens.
@@ -290,6 +306,7 @@ impl<B: Backend> TextModel<B> {
         ids: &[u32],
         pos: &Positions,
         visual: Option<&VisualFeatures<B::Tensor>>,
+        lora_rows: &[usize],
         cache: &mut KvCache<B>,
         logits_for: LogitsFor,
         keep_hidden: bool,
@@ -307,6 +324,7 @@ impl<B: Backend> TextModel<B> {
             block_table: &[0],
             start: cache.len,
             logits: Some(logits_for),
+            lora_rows,
         };
         let mut out = self.forward_batch(be, &[item], &mut cache.pool, keep_hidden)?;
         cache.len += ids.len();
@@ -331,6 +349,11 @@ impl<B: Backend> TextModel<B> {
         keep_hidden: bool,
     ) -> Result<BatchOutput<B::Tensor>> {
         let plan = BatchPlan::new(items, pool.block_size, self.layers.len())?;
+        if !plan.lora_rows.is_empty() && self.adapter.is_none() {
+            return Err(Error::InvalidRequest(
+                "adapter rows given but no adapter is loaded".into(),
+            ));
+        }
         let mut x = be.embedding(&self.embed_tokens, &plan.ids)?;
         for (item, &offset) in items.iter().zip(&plan.offsets) {
             for v in item.visual {
@@ -355,7 +378,11 @@ impl<B: Backend> TextModel<B> {
             if keep_hidden {
                 hidden_states.push(be.rows(&x, 0, n)?);
             }
-            x = self.layer_forward(be, layer, i, x, (&cos, &sin), pool, &plan.slots, &seqs)?;
+            let lora = self
+                .adapter
+                .as_ref()
+                .and_then(|a| a.layer(i).map(|l| (a, l, &plan.lora_rows[..])));
+            x = self.layer_forward(be, layer, i, x, (&cos, &sin), pool, &plan.slots, &seqs, lora)?;
             for (item, &offset) in items.iter().zip(&plan.offsets) {
                 for (v, ds) in item
                     .visual
@@ -425,13 +452,24 @@ impl<B: Backend> TextModel<B> {
         pool: &mut KvPool<B>,
         slots: &[usize],
         seqs: &[PagedSeq<'_>],
+        lora: Option<(&Adapter<B>, &LayerLora<B>, &[usize])>,
     ) -> Result<B::Tensor> {
         let eps = self.cfg.rms_norm_eps;
         let attn = &layer.self_attn;
         let h = be.rms_norm(&x, &layer.input_layernorm, eps)?;
         let mut q = attn.q_proj.forward(be, &h)?;
         let mut k = attn.k_proj.forward(be, &h)?;
-        let v = attn.v_proj.forward(be, &h)?;
+        let mut v = attn.v_proj.forward(be, &h)?;
+        // HGKV: the adapter touches only its rows; with none, its code does not run (exact bypass).
+        if let Some((adapter, l, rows)) = lora.filter(|(_, _, rows)| !rows.is_empty()) {
+            let h_rows = be.gather_rows(&h, rows)?;
+            if let Some(p) = &l.k {
+                adapter.apply(be, p, &h_rows, &mut k, rows)?;
+            }
+            if let Some(p) = &l.v {
+                adapter.apply(be, p, &h_rows, &mut v, rows)?;
+            }
+        }
         if let (Some(qn), Some(kn)) = (&attn.q_norm, &attn.k_norm) {
             q = be.rms_norm(&q, qn, eps)?;
             k = be.rms_norm(&k, kn, eps)?;
@@ -463,6 +501,8 @@ struct BatchPlan {
     slots: Vec<usize>,
     /// First row of each item.
     offsets: Vec<usize>,
+    /// Batch rows whose K/V the adapter updates.
+    lora_rows: Vec<usize>,
 }
 
 impl BatchPlan {
@@ -472,6 +512,7 @@ impl BatchPlan {
             positions: Positions::default(),
             slots: Vec::new(),
             offsets: Vec::new(),
+            lora_rows: Vec::new(),
         };
         for (k, it) in items.iter().enumerate() {
             let n = it.ids.len();
@@ -491,6 +532,11 @@ impl BatchPlan {
                     return bad("image rows or deepstack features out of range".into());
                 }
             }
+            if it.lora_rows.iter().any(|&r| r >= n) {
+                return bad("adapter rows out of range".into());
+            }
+            plan.lora_rows
+                .extend(it.lora_rows.iter().map(|r| r + plan.ids.len()));
             plan.offsets.push(plan.ids.len());
             plan.ids.extend_from_slice(it.ids);
             plan.positions.extend(it.positions);

@@ -78,3 +78,25 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "lengths differ");
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
+
+/// HF's pixel values `{prefix}.pixel_values`, split per image by `{prefix}.image_grid_thw`.
+pub fn hf_pixels(reference: &Reference, prefix: &str, patch_dim: usize) -> Vec<recall::vision::PixelValues> {
+    let (data, shape) = reference.f32(&format!("{prefix}.pixel_values"));
+    assert_eq!(shape[1], patch_dim);
+    let grids = reference.ids(&format!("{prefix}.image_grid_thw"));
+    let mut offset = 0;
+    grids
+        .chunks(3)
+        .map(|g| {
+            let grid = [g[0] as usize, g[1] as usize, g[2] as usize];
+            let n = grid.iter().product::<usize>() * patch_dim;
+            offset += n;
+            recall::vision::PixelValues {
+                data: data[offset - n..offset].to_vec(),
+                grid_thw: grid,
+                patch_dim,
+                resized: image::RgbImage::new(0, 0),
+            }
+        })
+        .collect()
+}

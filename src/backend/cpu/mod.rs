@@ -253,6 +253,12 @@ impl Backend for CpuBackend {
         Ok(out)
     }
 
+    fn scale(&self, x: &CpuTensor, s: f32) -> Result<CpuTensor> {
+        let mut out = x.clone();
+        out.data.iter_mut().for_each(|v| *v *= s);
+        Ok(out)
+    }
+
     fn add(&self, a: &CpuTensor, b: &CpuTensor) -> Result<CpuTensor> {
         self.check_same("add", a, b)?;
         let mut out = a.clone();
