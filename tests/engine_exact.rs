@@ -437,3 +437,54 @@ fn bad_requests_fail_cleanly() {
     };
     assert!(e.generate(&short, &params(2)).is_ok());
 }
+
+#[test]
+fn drafted_generation_is_exactly_plain_generation() {
+    let f = setup();
+    let mut rng = fastrand::Rng::with_seed(21);
+    for case in 0..6 {
+        let prompt = f.random_prompt(&mut rng);
+        let n = 6;
+        let reference = run_one(&mut f.engine(unchunked()), &prompt, n);
+        let mut wrong = reference.0.clone();
+        let at = rng.usize(0..n);
+        wrong[at] = (wrong[at] + 1) % 1000;
+        let drafts = [
+            reference.0.clone(),
+            wrong,
+            random_text(&mut rng, 1, 9),
+            reference.0[..2].to_vec(),
+        ];
+        for (d, draft) in drafts.iter().enumerate() {
+            let chunk = if d == 3 { rng.usize(2..9) } else { 1 << 20 };
+            let mut e = f.engine(EngineConfig {
+                chunk_size: chunk,
+                max_batch_tokens: 1 << 20,
+                ..unchunked()
+            });
+            let opts = RequestOptions {
+                return_logits: true,
+                draft: draft.clone(),
+                ..RequestOptions::default()
+            };
+            let id = e
+                .add_request_with(&prompt, Task::Generate(params(n)), opts)
+                .unwrap();
+            let out = e.run_all().unwrap().into_iter().find(|o| o.id == id).unwrap();
+            let Outcome::Generation(g) = &out.outcome else {
+                panic!("{:?}", out.outcome)
+            };
+            assert_eq!(
+                (&g.tokens, &out.decision_logits),
+                (&reference.0, &reference.1),
+                "case {case}, draft {d}"
+            );
+            e.check_invariants().unwrap();
+            if d == 0 {
+                // The right draft: all accepted, one forward for prompt and draft together.
+                assert_eq!(out.accepted_draft, n);
+                assert_eq!(e.forwards, 1, "case {case}");
+            }
+        }
+    }
+}

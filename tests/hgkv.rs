@@ -185,8 +185,8 @@ fn prefix_cache_never_mixes_adapter_modes() {
     let run = |e: &mut recall::engine::Engine<'_, CpuBackend>, mode: AdapterMode| {
         let opts = RequestOptions {
             return_logits: true,
-            salt: 0,
             adapter: mode,
+            ..RequestOptions::default()
         };
         let params = GenerateParams {
             max_tokens: 3,

@@ -70,7 +70,7 @@ pub enum Outcome {
 }
 
 /// Per-request options.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RequestOptions {
     /// Return the logits of every generation decision.
     pub return_logits: bool,
@@ -80,6 +80,10 @@ pub struct RequestOptions {
     /// Where the model's adapter acts (its id and the gate enter the cache key of every token it
     /// touches, so gated K/V are never served to an ungated or adapter-free request).
     pub adapter: AdapterMode,
+    /// Generation only: tokens expected to be generated (e.g. the first pass's answer). They are
+    /// computed together with the prompt and verified greedily; the output is exactly what plain
+    /// decoding gives, in fewer forwards when the draft is right.
+    pub draft: Vec<u32>,
 }
 
 /// A finished request.
@@ -91,6 +95,8 @@ pub struct EngineOutput {
     pub decision_logits: Vec<Vec<f32>>,
     /// Prompt tokens served from the prefix cache.
     pub reused_tokens: usize,
+    /// Draft tokens accepted by verification.
+    pub accepted_draft: usize,
 }
 
 /// One sequence's share of a step.
@@ -317,6 +323,13 @@ impl<'m, B: Backend> Engine<'m, B> {
         let mut seq = Sequence::new(id, task, flat, keys, injected, gate, adapter);
         seq.return_logits = opts.return_logits;
         seq.salt = opts.salt;
+        if let Task::Generate(p) = &seq.task {
+            let n = opts.draft.len().min(p.max_tokens);
+            for &t in &opts.draft[..n] {
+                seq.push_token(t);
+            }
+            seq.draft_len = n;
+        }
         let limit = self.model.text.config().max_position_embeddings;
         let needed = seq.tokens.len()
             + match &seq.task {
@@ -467,6 +480,7 @@ impl<'m, B: Backend> Engine<'m, B> {
             let len = (s.target_len() - s.computed).min(self.cfg.chunk_size).min(budget);
             let end = s.computed + len;
             let logits = match &s.task {
+                Task::Generate(_) if s.draft_len > 0 && end >= s.prompt_len => Some(LogitsFor::All),
                 Task::Generate(_) if end == s.target_len() => Some(LogitsFor::Last),
                 Task::Score { .. } if end >= s.prompt_len => Some(LogitsFor::All),
                 _ => None,
@@ -567,7 +581,7 @@ impl<'m, B: Backend> Engine<'m, B> {
             }
             let result = match (&s.task, l) {
                 (Task::Generate(_), Some(l)) => {
-                    Self::decide(self.be, &mut self.blocks, self.tokenizer, s, &l)
+                    Self::decide(self.be, &mut self.blocks, self.tokenizer, s, w, &l)
                 }
                 (Task::Score { .. }, Some(l)) => Self::collect_logprobs(self.be, s, w, &l).map(|()| None),
                 (Task::Warm { .. }, _) if s.is_prefilled() => Ok(Some(Outcome::Warmed)),
@@ -599,15 +613,87 @@ impl<'m, B: Backend> Engine<'m, B> {
         blocks: &mut KvBlockManager,
         tokenizer: Option<&Tokenizer>,
         s: &mut Sequence<B::Tensor>,
+        w: &Work,
         logits: &B::Tensor,
+    ) -> Result<Option<Outcome>> {
+        if s.draft_len == 0 {
+            let next = be.argmax(logits)?[0];
+            let row = if s.return_logits {
+                Some(be.download(logits)?)
+            } else {
+                None
+            };
+            return Self::accept(blocks, tokenizer, s, next, row, false);
+        }
+        // Drafting: rows from the last prompt token on predict the draft's tokens and one more.
+        let first = (s.prompt_len - 1).max(w.start);
+        let end = w.start + w.len;
+        if first < end {
+            let rows = be.rows(logits, first - w.start, end - first)?;
+            s.draft_preds.extend(be.argmax(&rows)?);
+            if s.return_logits {
+                let data = be.download(&rows)?;
+                let vocab = be.dims(&rows).1;
+                s.draft_logits.extend(data.chunks(vocab).map(<[f32]>::to_vec));
+            }
+        }
+        if !s.is_prefilled() {
+            return Ok(None);
+        }
+        Self::verify(blocks, tokenizer, s)
+    }
+
+    /// Greedy verification of a draft: accepts the predictions up to and including the first one that
+    /// differs from the draft, drops the rejected draft tokens' K/V, and replays each accepted token as
+    /// an ordinary decision (so eos, stop strings and the token limit apply exactly as without a draft).
+    fn verify(
+        blocks: &mut KvBlockManager,
+        tokenizer: Option<&Tokenizer>,
+        s: &mut Sequence<B::Tensor>,
+    ) -> Result<Option<Outcome>> {
+        let n = s.draft_len;
+        let draft = s.tokens[s.prompt_len..s.prompt_len + n].to_vec();
+        let preds = std::mem::take(&mut s.draft_preds);
+        if preds.len() != n + 1 {
+            return Err(Error::InvalidRequest(format!(
+                "draft verification saw {} predictions for {n} draft tokens",
+                preds.len()
+            )));
+        }
+        let mut rows = std::mem::take(&mut s.draft_logits).into_iter();
+        let k = draft.iter().zip(&preds).take_while(|(d, p)| d == p).count();
+        let kv =
+            s.kv.ok_or_else(|| Error::InvalidRequest("sequence not admitted".into()))?;
+        // Keep the accepted draft tokens (their K/V are exactly what decoding would have written).
+        blocks.truncate(kv, s.prompt_len + k)?;
+        s.tokens.truncate(s.prompt_len + k);
+        s.keys.truncate(s.prompt_len + k);
+        s.gate.truncate(s.prompt_len + k);
+        s.computed = blocks.num_computed(kv);
+        s.draft_len = 0;
+        s.accepted_draft = k;
+        for (i, &token) in preds[..=k].iter().enumerate() {
+            if let Some(done) = Self::accept(blocks, tokenizer, s, token, rows.next(), i < k)? {
+                return Ok(Some(done));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Records one generated token; `Some` when generation ends with it. Unless the token is already
+    /// in the sequence (an accepted draft token), it is appended for computation next step.
+    fn accept(
+        blocks: &mut KvBlockManager,
+        tokenizer: Option<&Tokenizer>,
+        s: &mut Sequence<B::Tensor>,
+        next: u32,
+        logits_row: Option<Vec<f32>>,
+        in_sequence: bool,
     ) -> Result<Option<Outcome>> {
         let Task::Generate(params) = &s.task else {
             return Ok(None);
         };
-        let next = be.argmax(logits)?[0];
-        if s.return_logits {
-            s.decision_logits.push(be.download(logits)?);
-        }
+        s.decision_logits.extend(logits_row);
         s.generated.push(next);
         let finish = if params.eos_token_ids.contains(&next) {
             Some(FinishReason::Eos)
@@ -625,6 +711,9 @@ impl<'m, B: Backend> Engine<'m, B> {
                 text,
                 finish,
             })));
+        }
+        if in_sequence {
+            return Ok(None);
         }
         // The new token is computed next step; it needs a slot now.
         let kv =
@@ -663,6 +752,7 @@ impl<'m, B: Backend> Engine<'m, B> {
             outcome,
             decision_logits: s.decision_logits,
             reused_tokens: s.reused,
+            accepted_draft: s.accepted_draft,
         }
     }
 

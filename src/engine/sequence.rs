@@ -65,6 +65,13 @@ pub(crate) struct Sequence<T> {
     pub return_logits: bool,
     /// Target log-probabilities collected so far (scoring).
     pub logprobs: Vec<f32>,
+    /// Draft tokens after the prompt awaiting verification (0 when none).
+    pub draft_len: usize,
+    /// Greedy predictions (and their logits, when requested) from the last prompt token on.
+    pub draft_preds: Vec<u32>,
+    pub draft_logits: Vec<Vec<f32>>,
+    /// Draft tokens accepted by verification.
+    pub accepted_draft: usize,
 }
 
 impl<T> Sequence<T> {
@@ -98,6 +105,10 @@ impl<T> Sequence<T> {
             decision_logits: Vec::new(),
             return_logits: false,
             logprobs: Vec::new(),
+            draft_len: 0,
+            draft_preds: Vec::new(),
+            draft_logits: Vec::new(),
+            accepted_draft: 0,
         };
         match &s.task {
             Task::Score { target } => {
@@ -168,7 +179,8 @@ impl<T> Sequence<T> {
     /// (its logits score the first target token).
     pub fn reuse_limit(&self) -> usize {
         match self.task {
-            Task::Generate(_) => self.tokens.len().saturating_sub(1),
+            // Drafting needs the logits of the last prompt token, so it is always computed.
+            Task::Generate(_) => self.prompt_len.saturating_sub(1),
             Task::Score { .. } => self.prompt_len.saturating_sub(1),
             Task::Warm { .. } => self.tokens.len(),
         }
