@@ -39,24 +39,11 @@ fn logits_and_score_match_hf() {
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
 
-    let bytes = std::fs::read(&out).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let ids = st.tensor("input_ids").unwrap();
-    assert_eq!(ids.dtype(), safetensors::Dtype::I64);
-    let ids: Vec<u32> = ids
-        .data()
-        .chunks_exact(8)
-        .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32)
-        .collect();
-    assert_eq!(ids, reference.ids("p1.input_ids"));
-    let logits = st.tensor("logits").unwrap();
+    let written = Reference::from_file(&out);
+    assert_eq!(written.ids("input_ids"), reference.ids("p1.input_ids"));
+    let (got, got_shape) = written.f32("logits");
     let (want, shape) = reference.f32("p1.logits");
-    assert_eq!(logits.shape(), &shape[..]);
-    let got: Vec<f32> = logits
-        .data()
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-        .collect();
+    assert_eq!(got_shape, shape);
     assert!(max_abs_diff(&got, &want) <= 1e-4);
 
     let o = recall(&[
@@ -171,15 +158,7 @@ fn image_parts_by_data_url_and_file_url() {
             out.to_str().unwrap(),
         ]);
         assert!(o.status.success(), "{}", stderr(&o));
-        let bytes = std::fs::read(&out).unwrap();
-        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-        let got: Vec<f32> = st
-            .tensor("logits")
-            .unwrap()
-            .data()
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-            .collect();
+        let (got, _) = Reference::from_file(&out).f32("logits");
         let (want, _) = reference.f32("v0.logits");
         assert!(max_abs_diff(&got, &want) <= 1e-4, "{}", &url[..20]);
     }
@@ -241,15 +220,7 @@ fn adapter_flags_load_and_apply_the_adapter() {
         out.to_str().unwrap(),
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let bytes = std::fs::read(&out).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let got: Vec<f32> = st
-        .tensor("logits")
-        .unwrap()
-        .data()
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-        .collect();
+    let (got, _) = Reference::from_file(&out).f32("logits");
     let (want, _) = reference.f32("p0.logits_ungated");
     assert!(max_abs_diff(&got, &want) <= 1e-4);
 

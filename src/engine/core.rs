@@ -245,14 +245,7 @@ impl<'m, B: Backend> Engine<'m, B> {
         task: Task,
         opts: RequestOptions,
     ) -> Result<RequestId> {
-        let pad = self.model.config.image_token_id.unwrap_or(0);
-        let merge = self
-            .model
-            .config
-            .vision
-            .as_ref()
-            .map_or(1, |v| v.spatial_merge_size);
-        let flat = prompt.flatten(pad, merge)?;
+        let flat = self.flatten(prompt)?;
         let hidden = self.model.text.config().hidden_size;
         let keys = token_keys(prompt, &flat);
         let mut injected = Vec::new();
@@ -803,9 +796,8 @@ impl<'m, B: Backend> Engine<'m, B> {
             .collect()
     }
 
-    /// Tokens shared by every pair's prompt (equal keys), capped so that each still computes its
-    /// last prompt token.
-    fn common_prefix(&self, pairs: &[(Prompt, Vec<u32>)]) -> Result<usize> {
+    /// The prompt's tokens and positions under this model's image-pad id and merge size.
+    fn flatten(&self, prompt: &Prompt) -> Result<FlatPrompt> {
         let pad = self.model.config.image_token_id.unwrap_or(0);
         let merge = self
             .model
@@ -813,10 +805,16 @@ impl<'m, B: Backend> Engine<'m, B> {
             .vision
             .as_ref()
             .map_or(1, |v| v.spatial_merge_size);
+        prompt.flatten(pad, merge)
+    }
+
+    /// Tokens shared by every pair's prompt (equal keys), capped so that each still computes its
+    /// last prompt token.
+    fn common_prefix(&self, pairs: &[(Prompt, Vec<u32>)]) -> Result<usize> {
         let mut first: Option<Vec<TokenKey>> = None;
         let mut lcp = usize::MAX;
         for (p, _) in pairs {
-            let flat = p.flatten(pad, merge)?;
+            let flat = self.flatten(p)?;
             lcp = lcp.min(flat.ids.len() - 1);
             let keys = token_keys(p, &flat);
             match &first {

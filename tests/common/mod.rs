@@ -30,6 +30,14 @@ impl Reference {
         }
     }
 
+    /// Reads a safetensors file alone (e.g. what `recall logits` wrote).
+    pub fn from_file(path: &Path) -> Self {
+        Reference {
+            bytes: std::fs::read(path).expect("safetensors file"),
+            meta: serde_json::Value::Null,
+        }
+    }
+
     fn tensors(&self) -> SafeTensors<'_> {
         SafeTensors::deserialize(&self.bytes).expect("reference safetensors parses")
     }
