@@ -4,10 +4,12 @@
 //! Qwen-VL architectures), [`tokenize`] (tokenizer and chat rendering), [`engine`] (generation and
 //! scoring). Dependencies point down only.
 
+pub mod agent;
 pub mod backend;
 pub mod engine;
 pub mod error;
 pub mod kv;
+pub mod memory;
 pub mod model;
 pub mod tokenize;
 pub mod vision;

@@ -9,6 +9,8 @@
 //! were computed in the same call (reductions run in a fixed order per row).
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 use crate::model::loader::TensorRef;
 use crate::Result;

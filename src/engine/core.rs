@@ -121,6 +121,8 @@ pub struct Engine<'m, B: Backend> {
     next_id: RequestId,
     /// Decoder forwards run so far.
     pub forwards: u64,
+    /// Image sources already hashed (source key → content hash), so files are not decoded twice.
+    sources: std::collections::HashMap<u64, ImageHash>,
 }
 
 impl<'m, B: Backend> Engine<'m, B> {
@@ -172,6 +174,7 @@ impl<'m, B: Backend> Engine<'m, B> {
             running: Vec::new(),
             next_id: 0,
             forwards: 0,
+            sources: std::collections::HashMap::new(),
         })
     }
 
@@ -198,6 +201,16 @@ impl<'m, B: Backend> Engine<'m, B> {
     /// Whether `hash` is in the vision-embedding cache.
     pub fn has_image(&self, hash: ImageHash) -> bool {
         self.vision.contains(hash)
+    }
+
+    /// The content hash remembered for an image source key.
+    pub fn source_hash(&self, key: u64) -> Option<ImageHash> {
+        self.sources.get(&key).copied()
+    }
+
+    /// Remembers the content hash of an image source key.
+    pub fn remember_source(&mut self, key: u64, hash: ImageHash) {
+        self.sources.insert(key, hash);
     }
 
     /// The patch grid of a cached image.

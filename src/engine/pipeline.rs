@@ -212,17 +212,7 @@ impl<B: Backend> Pipeline<B> {
                 continue;
             }
             let Some((i, src)) = images.next() else { break };
-            let source = ImageSource::parse(src)?;
-            let img = source.load()?;
-            let hash = ImageHash::of_image(&img);
-            let grid = if engine.has_image(hash) {
-                engine.image_grid(hash).unwrap_or_default()
-            } else {
-                let pixels = preprocess_image(&img, &self.preprocess)
-                    .map_err(|e| Error::InvalidRequest(format!("{source}: {e}")))?;
-                engine.add_image(hash, &pixels)?;
-                pixels.grid_thw
-            };
+            let (hash, grid) = self.encode_image(engine, src)?;
             segments.push(Segment::Text(std::mem::take(&mut text)));
             let role = if i + 1 == rendered.images.len() {
                 ImageRole::Current
@@ -234,6 +224,30 @@ impl<B: Backend> Pipeline<B> {
         segments.push(Segment::Text(text));
         segments.retain(|s| !matches!(s, Segment::Text(t) if t.is_empty()));
         Ok(Prompt { segments })
+    }
+
+    /// The content hash and grid of the image at `src`, encoding it into the engine's vision cache when
+    /// needed. A file whose path, size and modification time the engine has seen is not decoded again.
+    fn encode_image(&self, engine: &mut Engine<'_, B>, src: &str) -> Result<(ImageHash, GridThw)> {
+        let source = ImageSource::parse(src)?;
+        let key = source_key(src);
+        if let Some(hash) = key.and_then(|k| engine.source_hash(k)) {
+            if let Some(grid) = engine.image_grid(hash) {
+                return Ok((hash, grid));
+            }
+        }
+        let img = source.load()?;
+        let hash = ImageHash::of_image(&img);
+        if let Some(k) = key {
+            engine.remember_source(k, hash);
+        }
+        if let Some(grid) = engine.image_grid(hash) {
+            return Ok((hash, grid));
+        }
+        let pixels = preprocess_image(&img, &self.preprocess)
+            .map_err(|e| Error::InvalidRequest(format!("{source}: {e}")))?;
+        engine.add_image(hash, &pixels)?;
+        Ok((hash, pixels.grid_thw))
     }
 
     /// The model's end-of-sequence ids, falling back to the tokenizer's `<|im_end|>`.
@@ -354,4 +368,19 @@ pub fn write_logits(path: &Path, r: &PromptLogits) -> Result<()> {
     ];
     let bytes = safetensors::serialize(tensors, &None).map_err(bad)?;
     std::fs::write(path, bytes).map_err(|e| Error::io(path, e))
+}
+
+/// A key for an image source that changes when the file does: the path with its size and
+/// modification time, or the whole URL for `data:` URLs. `None` when the file cannot be inspected.
+fn source_key(src: &str) -> Option<u64> {
+    let mut h = xxhash_rust::xxh64::Xxh64::new(0x5ce);
+    h.update(src.as_bytes());
+    if !src.starts_with("data:") {
+        let path = src.strip_prefix("file://").unwrap_or(src);
+        let meta = std::fs::metadata(path).ok()?;
+        h.update(&meta.len().to_le_bytes());
+        let mtime = meta.modified().ok()?.duration_since(std::time::UNIX_EPOCH).ok()?;
+        h.update(&mtime.as_nanos().to_le_bytes());
+    }
+    Some(h.digest())
 }

@@ -4,6 +4,7 @@ pub mod config;
 pub mod hgkv;
 pub mod loader;
 pub mod mrope;
+pub mod scopemem;
 pub mod text;
 pub mod vision;
 pub mod vision_qwen25;

@@ -1,0 +1,294 @@
+//! The CausalCache two-pass step.
+//!
+//! Pass 1 answers on the Recent-B prompt; that proposal is the selector's reference action (its
+//! "witness"). The allocation policy then picks an exact-B set S. When S is Recent-B the proposal is
+//! the answer — byte-identical to a single-pass run. Otherwise pass 2 renders S (gap-fold protocol),
+//! reuses every cached block of the common prefix, and decodes with the proposal as a draft: greedy
+//! verification keeps the output exactly what plain decoding of the pass-2 prompt gives.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::agent::action::{equivalent, parse_response, Action, ActionBucket as ParsedBucket};
+use crate::backend::Backend;
+use crate::engine::{
+    Engine, GenerateParams, Generation, ImageHash, Outcome, Pipeline, Prompt, RequestOptions, Task,
+};
+use crate::error::{Error, Result};
+use crate::memory::episode::{Decision, Episode};
+use crate::memory::policy::{thumbnail, AllocationPolicy, PolicyInputs, Thumbnail};
+use crate::memory::protocol::{render_decision, Protocol};
+use crate::memory::selector::{ActionBucket, DecisionContext, EventInfo};
+use crate::model::AdapterMode;
+use crate::vision::ImageSource;
+
+/// Settings of the two-pass step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TwoPassConfig {
+    /// History screenshots per prompt (B).
+    pub budget: usize,
+    pub protocol: Protocol,
+    /// Most generated tokens per pass (GUI-Owl: 256).
+    pub max_tokens: usize,
+    /// Where the HGKV adapter acts (when one is loaded).
+    pub adapter: AdapterMode,
+    /// Draft pass 2 from the proposal's tokens.
+    pub draft: bool,
+}
+
+impl Default for TwoPassConfig {
+    fn default() -> Self {
+        TwoPassConfig {
+            budget: 4,
+            protocol: Protocol::Mobile,
+            max_tokens: 256,
+            adapter: AdapterMode::Off,
+            draft: true,
+        }
+    }
+}
+
+/// Milliseconds spent in each phase of a step.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Timings {
+    /// Rendering and image encoding of pass 1 (vision tower runs for new screenshots).
+    pub prepare1_ms: f64,
+    pub pass1_ms: f64,
+    pub selector_ms: f64,
+    /// Rendering of pass 2 (images are cached by then).
+    pub prepare2_ms: f64,
+    pub pass2_ms: f64,
+}
+
+/// What one decision step did.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StepReport {
+    /// Decision step t (completed steps are 1..t-1).
+    pub t: usize,
+    pub recent: Vec<usize>,
+    /// The chosen allocation S.
+    pub allocation: Vec<usize>,
+    /// Events of S outside the Recent-B window.
+    pub k: usize,
+    /// Whether pass 2 ran (S ≠ Recent-B).
+    pub pass2: bool,
+    /// Pass 1's response.
+    pub proposal: String,
+    /// The step's final response.
+    pub response: String,
+    /// The final response's action, or why it did not parse.
+    pub action: std::result::Result<String, String>,
+    /// Whether the action is equivalent to the recorded one (offline replay with a reference).
+    pub matches_record: Option<bool>,
+    pub timings: Timings,
+    /// Prompt tokens served from the prefix cache in pass 1 and pass 2.
+    pub reused_tokens: (usize, usize),
+    /// Draft tokens pass 2 accepted.
+    pub accepted_draft: usize,
+}
+
+/// Per-episode memo of what the selector needs about each step: screenshot hash, thumbnail, parsed
+/// action. Each screenshot is decoded at most once here.
+#[derive(Default)]
+pub struct EpisodeMemo {
+    images: HashMap<PathBuf, (ImageHash, Thumbnail)>,
+    actions: HashMap<usize, Option<Action>>,
+}
+
+impl EpisodeMemo {
+    fn image(&mut self, path: &Path) -> Result<(ImageHash, Thumbnail)> {
+        if let Some(v) = self.images.get(path) {
+            return Ok(*v);
+        }
+        let img = ImageSource::parse(&path.display().to_string())?.load()?;
+        let v = (ImageHash::of_image(&img), thumbnail(&img));
+        self.images.insert(path.to_path_buf(), v);
+        Ok(v)
+    }
+}
+
+/// Runs decision `t` of `episode` (offline replay: history from the record).
+pub fn two_pass_step<B: Backend>(
+    p: &Pipeline<B>,
+    engine: &mut Engine<'_, B>,
+    episode: &Episode,
+    t: usize,
+    policy: &mut dyn AllocationPolicy,
+    cfg: &TwoPassConfig,
+    memo: &mut EpisodeMemo,
+) -> Result<StepReport> {
+    let decision = episode.decision(t)?;
+    let platform = episode.platform;
+    let recent = cfg.protocol.recent_b(t - 1, cfg.budget);
+    let mut timings = Timings::default();
+
+    let clock = Instant::now();
+    let prompt1 = prompt_for(p, engine, cfg.protocol, &decision, &recent)?;
+    timings.prepare1_ms = ms(clock);
+    let clock = Instant::now();
+    let (proposal, reused1, _) = generate(p, engine, &prompt1, cfg, Vec::new())?;
+    timings.pass1_ms = ms(clock);
+
+    let clock = Instant::now();
+    let reference = parse_response(proposal.text.as_deref().unwrap_or_default(), platform).ok();
+    let ctx = context(episode, &decision, reference.as_ref(), memo)?;
+    let current = memo.image(decision.current_screenshot)?.1;
+    let thumbs: HashMap<usize, Thumbnail> = ctx
+        .events
+        .iter()
+        .filter_map(|e| {
+            Some((
+                e.step,
+                memo.image(&episode.steps.get(e.step - 1)?.screenshot).ok()?.1,
+            ))
+        })
+        .collect();
+    let extra = PolicyInputs {
+        current_thumbnail: Some(&current),
+        event_thumbnails: Some(&thumbs),
+    };
+    let allocation = policy.allocate(&ctx, cfg.budget, &extra)?;
+    timings.selector_ms = ms(clock);
+    let k = allocation.iter().filter(|s| !recent.contains(s)).count();
+
+    let (response, reused2, accepted) = if allocation == recent {
+        (proposal.clone(), 0, 0)
+    } else {
+        let clock = Instant::now();
+        let prompt2 = prompt_for(p, engine, cfg.protocol, &decision, &allocation)?;
+        timings.prepare2_ms = ms(clock);
+        let clock = Instant::now();
+        let draft = if cfg.draft {
+            proposal.tokens.clone()
+        } else {
+            Vec::new()
+        };
+        let out = generate(p, engine, &prompt2, cfg, draft)?;
+        timings.pass2_ms = ms(clock);
+        out
+    };
+    let text = response.text.clone().unwrap_or_default();
+    let action = parse_response(&text, platform);
+    let matches_record = match (&action, decision.reference) {
+        (Ok(a), Some(r)) => Some(parse_response(r, platform).is_ok_and(|b| equivalent(a, &b, platform))),
+        (Err(_), Some(_)) => Some(false),
+        _ => None,
+    };
+    Ok(StepReport {
+        t,
+        pass2: allocation != recent,
+        recent,
+        allocation,
+        k,
+        proposal: proposal.text.unwrap_or_default(),
+        response: text,
+        action: action.map(|a| a.tool_call_json()).map_err(|e| e.to_string()),
+        matches_record,
+        timings,
+        reused_tokens: (reused1, reused2),
+        accepted_draft: accepted,
+    })
+}
+
+fn ms(since: Instant) -> f64 {
+    since.elapsed().as_secs_f64() * 1e3
+}
+
+/// The engine prompt of `decision` rendered with `allocation`.
+fn prompt_for<B: Backend>(
+    p: &Pipeline<B>,
+    engine: &mut Engine<'_, B>,
+    protocol: Protocol,
+    decision: &Decision<'_>,
+    allocation: &[usize],
+) -> Result<Prompt> {
+    let messages = render_decision(protocol, decision, allocation)?;
+    p.chat_prompt(engine, &messages, true)
+}
+
+/// One greedy pass; stops at `</tool_call>` as GUI-Owl's serving does. Returns the generation, the
+/// prompt tokens reused from the cache and the draft tokens accepted.
+fn generate<B: Backend>(
+    p: &Pipeline<B>,
+    engine: &mut Engine<'_, B>,
+    prompt: &Prompt,
+    cfg: &TwoPassConfig,
+    draft: Vec<u32>,
+) -> Result<(Generation, usize, usize)> {
+    let mut eos = p.eos_token_ids();
+    eos.extend(p.tokenizer.token_id("</tool_call>"));
+    let params = GenerateParams {
+        max_tokens: cfg.max_tokens,
+        eos_token_ids: eos,
+        stop_strings: Vec::new(),
+    };
+    let opts = RequestOptions {
+        adapter: cfg.adapter,
+        draft,
+        ..RequestOptions::default()
+    };
+    let id = engine.add_request_with(prompt, Task::Generate(params), opts)?;
+    let out = loop {
+        if let Some(o) = engine.step()?.into_iter().find(|o| o.id == id) {
+            break o;
+        }
+        if !engine.has_work() {
+            return Err(Error::InvalidRequest(format!("request {id} vanished")));
+        }
+    };
+    match out.outcome {
+        Outcome::Generation(g) => Ok((g, out.reused_tokens, out.accepted_draft)),
+        Outcome::Failed(e) => Err(Error::InvalidRequest(e)),
+        other => Err(Error::InvalidRequest(format!("unexpected outcome {other:?}"))),
+    }
+}
+
+/// The selector's view of decision `t`: every completed step with its screenshot hash, the action
+/// taken at it, and whether that action is equivalent to the reference (pass 1's proposal).
+fn context(
+    episode: &Episode,
+    decision: &Decision<'_>,
+    reference: Option<&Action>,
+    memo: &mut EpisodeMemo,
+) -> Result<DecisionContext> {
+    let platform = episode.platform;
+    let mut events = Vec::with_capacity(decision.completed.len());
+    for (i, step) in decision.completed.iter().enumerate() {
+        let s = i + 1;
+        let action = memo
+            .actions
+            .entry(s)
+            .or_insert_with(|| parse_response(&step.response, platform).ok())
+            .clone();
+        events.push(EventInfo {
+            step: s,
+            image_hash: memo.image(&step.screenshot)?.0 .0,
+            next_bucket: action
+                .as_ref()
+                .map_or(ActionBucket::Other, |a| bucket(a.bucket())),
+            next_point: action.as_ref().and_then(Action::point),
+            witness: match (&action, reference) {
+                (Some(a), Some(r)) => equivalent(a, r, platform),
+                _ => false,
+            },
+        });
+    }
+    Ok(DecisionContext {
+        t: decision.t,
+        reference_point: reference.and_then(Action::point),
+        events,
+    })
+}
+
+fn bucket(b: ParsedBucket) -> ActionBucket {
+    match b {
+        ParsedBucket::Click => ActionBucket::Click,
+        ParsedBucket::Type => ActionBucket::Type,
+        ParsedBucket::Key => ActionBucket::Key,
+        ParsedBucket::Scroll => ActionBucket::Scroll,
+        ParsedBucket::Other => ActionBucket::Other,
+    }
+}

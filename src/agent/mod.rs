@@ -1,0 +1,5 @@
+//! Agents built on the engine: actions (parse, canonicalise, match) and the two-pass controllers.
+
+pub mod action;
+pub mod causalcache;
+pub mod chart;

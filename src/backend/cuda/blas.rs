@@ -1,0 +1,226 @@
+//! Dense GEMMs through cuBLASLt, with the matmul descriptor, matrix layouts and algorithm planned once
+//! per shape and cached (cudarc's safe wrapper re-creates all of them and re-runs the heuristic on every
+//! call, which costs more than a decode-sized GEMM).
+//!
+//! `linear` is `y[n, out] = x[n, in] · W[out, in]ᵀ + bias`, all row-major bf16. In cuBLAS's column-major
+//! terms that is `Yᶜ[out, n] = op(A)·B` with `A` = W viewed as column-major `[in, out]` (ld = in,
+//! op = T), `B` = x viewed as column-major `[in, n]` (ld = in), `Yᶜ` column-major `[out, n]` (ld = out),
+//! i.e. exactly row-major `y`. The bias epilogue adds `bias[out]` per row of `Yᶜ` = per output feature.
+//! Compute in f32 (`CUBLAS_COMPUTE_32F`), scale type f32.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::mem::size_of;
+use std::sync::{Arc, Mutex};
+
+use cudarc::cublaslt::{result as lt, sys};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+
+use super::libs::cuda_err;
+use crate::error::Result;
+
+/// Workspace handed to cuBLASLt (its recommendation for Hopper is 32 MiB).
+const WORKSPACE_BYTES: usize = 32 << 20;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Key {
+    n: usize,
+    out: usize,
+    inner: usize,
+    bias: bool,
+}
+
+struct Plan {
+    desc: sys::cublasLtMatmulDesc_t,
+    a: sys::cublasLtMatrixLayout_t,
+    b: sys::cublasLtMatrixLayout_t,
+    d: sys::cublasLtMatrixLayout_t,
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        // SAFETY: each handle was created once in `Lt::plan` and is destroyed once here.
+        unsafe {
+            let _ = lt::destroy_matrix_layout(self.a);
+            let _ = lt::destroy_matrix_layout(self.b);
+            let _ = lt::destroy_matrix_layout(self.d);
+            let _ = lt::destroy_matmul_desc(self.desc);
+        }
+    }
+}
+
+struct State {
+    handle: sys::cublasLtHandle_t,
+    plans: HashMap<Key, Plan>,
+}
+
+/// A cuBLASLt handle, its workspace and the per-shape plans.
+pub(super) struct Lt {
+    state: Mutex<State>,
+    workspace: CudaSlice<u8>,
+}
+
+// SAFETY: the raw cuBLASLt handles are only used under the mutex, on the backend's one stream.
+unsafe impl Send for Lt {}
+// SAFETY: as above.
+unsafe impl Sync for Lt {}
+
+impl Drop for State {
+    fn drop(&mut self) {
+        self.plans.clear();
+        // SAFETY: created once in `Lt::new`.
+        unsafe {
+            let _ = lt::destroy_handle(self.handle);
+        }
+    }
+}
+
+fn lt_err(what: &str, e: impl std::fmt::Debug) -> crate::error::Error {
+    cuda_err(format!("cuBLASLt {what}: {e:?}"))
+}
+
+impl Lt {
+    pub(super) fn new(stream: &Arc<CudaStream>) -> Result<Self> {
+        let handle = lt::create_handle().map_err(|e| lt_err("create", e))?;
+        let workspace = stream.alloc_zeros::<u8>(WORKSPACE_BYTES).map_err(cuda_err)?;
+        Ok(Lt {
+            state: Mutex::new(State {
+                handle,
+                plans: HashMap::new(),
+            }),
+            workspace,
+        })
+    }
+
+    /// Plans currently cached.
+    pub(super) fn cached_plans(&self) -> usize {
+        self.state.lock().map(|s| s.plans.len()).unwrap_or(0)
+    }
+
+    fn plan(handle: sys::cublasLtHandle_t, k: Key) -> Result<Plan> {
+        let bf16 = sys::cudaDataType_t::CUDA_R_16BF;
+        let desc = lt::create_matmul_desc(
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            sys::cudaDataType_t::CUDA_R_32F,
+        )
+        .map_err(|e| lt_err("matmul desc", e))?;
+        // Layouts are created before the plan exists; on error the partial plan's Drop frees them.
+        let mut plan = Plan {
+            desc,
+            a: std::ptr::null_mut(),
+            b: std::ptr::null_mut(),
+            d: std::ptr::null_mut(),
+            // SAFETY: a plain C struct of integers, overwritten by the heuristic below.
+            algo: unsafe { std::mem::zeroed() },
+        };
+        let (n, out, inner) = (k.n as u64, k.out as u64, k.inner as u64);
+        plan.a =
+            lt::create_matrix_layout(bf16, inner, out, inner as i64).map_err(|e| lt_err("layout A", e))?;
+        plan.b = lt::create_matrix_layout(bf16, inner, n, inner as i64).map_err(|e| lt_err("layout B", e))?;
+        plan.d = lt::create_matrix_layout(bf16, out, n, out as i64).map_err(|e| lt_err("layout D", e))?;
+        let transa: i32 = 1; // CUBLAS_OP_T (cublasOperation_t, a C int)
+                             // SAFETY: live descriptors; attribute buffers are of the sizes cuBLASLt expects.
+        unsafe {
+            lt::set_matmul_desc_attribute(
+                plan.desc,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                (&transa as *const i32).cast(),
+                size_of::<i32>(),
+            )
+            .map_err(|e| lt_err("TRANSA", e))?;
+            let epilogue = if k.bias {
+                sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS
+            } else {
+                sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT
+            };
+            lt::set_matmul_desc_attribute(
+                plan.desc,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE,
+                (&epilogue as *const sys::cublasLtEpilogue_t).cast(),
+                size_of::<sys::cublasLtEpilogue_t>(),
+            )
+            .map_err(|e| lt_err("EPILOGUE", e))?;
+            let pref = lt::create_matmul_pref().map_err(|e| lt_err("preference", e))?;
+            let ws = WORKSPACE_BYTES;
+            let heuristic = lt::set_matmul_pref_attribute(
+                pref,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                (&ws as *const usize).cast(),
+                size_of::<usize>(),
+            )
+            .and_then(|()| {
+                lt::get_matmul_algo_heuristic(handle, plan.desc, plan.a, plan.b, plan.d, plan.d, pref)
+            });
+            let _ = lt::destroy_matmul_pref(pref);
+            plan.algo = heuristic
+                .map_err(|e| lt_err(&format!("no algorithm for n={n} out={out} in={inner}"), e))?
+                .algo;
+        }
+        Ok(plan)
+    }
+
+    /// `y = x · Wᵀ (+ bias)`: `x` `[n, inner]`, `w` `[out, inner]`, `bias` `[out]`, `y` `[n, out]`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn linear(
+        &self,
+        stream: &Arc<CudaStream>,
+        x: u64,
+        w: u64,
+        bias: Option<u64>,
+        y: u64,
+        n: usize,
+        out: usize,
+        inner: usize,
+    ) -> Result<()> {
+        let key = Key {
+            n,
+            out,
+            inner,
+            bias: bias.is_some(),
+        };
+        let mut st = self
+            .state
+            .lock()
+            .map_err(|_| cuda_err("cuBLASLt state poisoned"))?;
+        let handle = st.handle;
+        let plan = match st.plans.entry(key) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(Self::plan(handle, key)?),
+        };
+        let (alpha, beta) = (1f32, 0f32);
+        let (ws, _guard) = self.workspace.device_ptr(stream);
+        // SAFETY: the plan's descriptors describe exactly these buffers (sizes checked by the caller);
+        // the bias pointer attribute is set under the same lock as the matmul that reads it.
+        unsafe {
+            if let Some(b) = bias {
+                lt::set_matmul_desc_attribute(
+                    plan.desc,
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                    (&b as *const u64).cast(),
+                    size_of::<u64>(),
+                )
+                .map_err(|e| lt_err("BIAS_POINTER", e))?;
+            }
+            lt::matmul(
+                handle,
+                plan.desc,
+                (&alpha as *const f32).cast(),
+                (&beta as *const f32).cast(),
+                w as *const c_void,
+                plan.a,
+                x as *const c_void,
+                plan.b,
+                y as *const c_void,
+                plan.d,
+                y as *mut c_void,
+                plan.d,
+                &plan.algo,
+                ws as *mut c_void,
+                WORKSPACE_BYTES,
+                stream.cu_stream() as sys::cudaStream_t,
+            )
+            .map_err(|e| lt_err("matmul", e))
+        }
+    }
+}
