@@ -6,6 +6,7 @@
 
 pub mod agent;
 pub mod backend;
+pub mod bench;
 pub mod engine;
 pub mod error;
 pub mod kv;

@@ -4,8 +4,16 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
+use recall::agent::causalcache::{
+    make_policy, run_episode, steps_table, utility_labels, PolicyChoice, TwoPassConfig,
+};
+use recall::agent::chart::{write_allocation_chart, AllocationRow};
+use recall::agent::demo::{demo_footer, run_demo, DemoPaths};
 use recall::backend::cpu::CpuBackend;
-use recall::engine::Pipeline;
+use recall::engine::{EngineConfig, Pipeline};
+use recall::memory::episode::Episode;
+use recall::memory::protocol::{render_decision, Protocol};
+use recall::memory::selector::Mode;
 use recall::model::AdapterMode;
 use recall::tokenize::chat::{parse_messages, ChatMessage};
 
@@ -85,6 +93,114 @@ enum Command {
         #[arg(long)]
         target: String,
     },
+    /// Replay, label or render recorded episodes (CausalCache).
+    Episode {
+        #[command(subcommand)]
+        command: EpisodeCommand,
+    },
+    /// The bundled CausalCache demo: a 12-step synthetic episode on the tiny model.
+    Demo {
+        /// History screenshots per prompt (B).
+        #[arg(long, default_value_t = 2)]
+        budget: usize,
+        /// Where to write the allocation chart.
+        #[arg(long, default_value = "demo-allocation.png")]
+        chart: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
+enum EpisodeCommand {
+    /// Replay a recorded episode with the two-pass step (history teacher-forced from the record).
+    Run {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Episode directory (episode.json + screenshots; docs/FORMATS.md).
+        #[arg(long)]
+        episode: PathBuf,
+        /// History screenshots per prompt (B).
+        #[arg(long, default_value_t = 4)]
+        budget: usize,
+        /// recent, random, rgb, selector or inverted.
+        #[arg(long, default_value = "recent")]
+        policy: String,
+        /// The learned scorer (safetensors) for selector and inverted.
+        #[arg(long)]
+        selector: Option<PathBuf>,
+        /// Selector composition: paper or reference.
+        #[arg(long, default_value = "paper", value_parser = parse_compose_mode)]
+        mode: Mode,
+        /// Most older events the selector may promote [default: B].
+        #[arg(long)]
+        max_replacements: Option<usize>,
+        /// Seed of the random policy.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// mobile, desktop or desktop-strict [default: the episode's platform].
+        #[arg(long, value_parser = parse_protocol)]
+        protocol: Option<Protocol>,
+        /// Most generated tokens per pass.
+        #[arg(long, default_value_t = 256)]
+        max_tokens: usize,
+        /// Decode pass 2 without drafting from the proposal.
+        #[arg(long)]
+        no_draft: bool,
+        /// Also write the per-step reports as JSON.
+        #[arg(long)]
+        json: Option<PathBuf>,
+        /// Also draw the allocation chart (PNG).
+        #[arg(long)]
+        chart: Option<PathBuf>,
+    },
+    /// Write utility labels Q(S) (mean log-prob of the recorded response) as JSONL.
+    Label {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[arg(long)]
+        episode: PathBuf,
+        /// Budgets of the Recent-B anchors; the largest bounds the beam-teacher sets.
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+        budgets: Vec<usize>,
+        #[arg(long, value_parser = parse_protocol)]
+        protocol: Option<Protocol>,
+        /// Output JSONL file.
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Write one step's prompt as OpenAI-style messages (images as paths) that `recall logits` accepts.
+    Render {
+        #[arg(long)]
+        episode: PathBuf,
+        /// Decision step t (1-based).
+        #[arg(long)]
+        step: usize,
+        /// The allocation S, e.g. 3,7,9,10 (empty for B = 0).
+        #[arg(long, value_delimiter = ',')]
+        allocation: Vec<usize>,
+        #[arg(long, value_parser = parse_protocol)]
+        protocol: Option<Protocol>,
+        #[arg(long)]
+        out: PathBuf,
+    },
+}
+
+fn parse_protocol(s: &str) -> std::result::Result<Protocol, String> {
+    match s {
+        "mobile" => Ok(Protocol::Mobile),
+        "desktop" => Ok(Protocol::Desktop),
+        "desktop-strict" => Ok(Protocol::DesktopStrictEvents),
+        other => Err(format!(
+            "protocol `{other}`: expected mobile, desktop or desktop-strict"
+        )),
+    }
+}
+
+fn parse_compose_mode(s: &str) -> std::result::Result<Mode, String> {
+    match s {
+        "paper" => Ok(Mode::Paper),
+        "reference" => Ok(Mode::Reference),
+        other => Err(format!("mode `{other}`: expected paper or reference")),
+    }
 }
 
 fn load(args: &ModelArgs) -> Result<Pipeline<CpuBackend>> {
@@ -165,6 +281,120 @@ fn main() -> Result<()> {
                 "token_logprobs": s.token_logprobs,
             });
             println!("{v}");
+        }
+        Command::Episode { command } => episode(command)?,
+        Command::Demo { budget, chart } => {
+            let root = std::env::current_dir()?;
+            let root = if root.join("models/demo").exists() {
+                root
+            } else {
+                PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            };
+            let reports = run_demo(&DemoPaths::bundled(&root), budget, &chart)?;
+            print!("{}", steps_table(&reports));
+            print!("{}", demo_footer(&reports, &chart));
+        }
+    }
+    Ok(())
+}
+
+fn episode(command: EpisodeCommand) -> Result<()> {
+    match command {
+        EpisodeCommand::Run {
+            model,
+            episode,
+            budget,
+            policy,
+            selector,
+            mode,
+            max_replacements,
+            seed,
+            protocol,
+            max_tokens,
+            no_draft,
+            json,
+            chart,
+        } => {
+            let p = load(&model)?;
+            let ep = Episode::load(&episode)?;
+            let choice = PolicyChoice {
+                name: policy,
+                selector,
+                mode,
+                max_replacements,
+                seed,
+            };
+            let mut policy = make_policy(&choice)?;
+            let cfg = TwoPassConfig {
+                budget,
+                protocol: protocol.unwrap_or(Protocol::for_platform(ep.platform)),
+                max_tokens,
+                adapter: if model.adapter.is_some() {
+                    model.adapter_mode
+                } else {
+                    AdapterMode::Off
+                },
+                draft: !no_draft,
+            };
+            let mut engine = p.engine(EngineConfig::default())?;
+            let reports = run_episode(&p, &mut engine, &ep, policy.as_mut(), &cfg)?;
+            print!("{}", steps_table(&reports));
+            if let Some(path) = json {
+                std::fs::write(&path, serde_json::to_string_pretty(&reports)?)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
+            if let Some(path) = chart {
+                let rows: Vec<AllocationRow> = reports
+                    .iter()
+                    .map(|r| AllocationRow {
+                        step: r.t,
+                        allocation: r.allocation.clone(),
+                        recent: r.recent.clone(),
+                    })
+                    .collect();
+                write_allocation_chart(&rows, &path)?;
+            }
+        }
+        EpisodeCommand::Label {
+            model,
+            episode,
+            budgets,
+            protocol,
+            out,
+        } => {
+            let p = load(&model)?;
+            let ep = Episode::load(&episode)?;
+            let protocol = protocol.unwrap_or(Protocol::for_platform(ep.platform));
+            let mut engine = p.engine(EngineConfig::default())?;
+            let mut lines = String::new();
+            for t in 1..=ep.len() {
+                for label in utility_labels(&p, &mut engine, &ep, t, protocol, &budgets)? {
+                    lines.push_str(&serde_json::to_string(&label)?);
+                    lines.push('\n');
+                }
+            }
+            std::fs::write(&out, lines).with_context(|| format!("writing {}", out.display()))?;
+            let stats = engine.kv_stats();
+            eprintln!(
+                "wrote {} ({} tokens reused from the prefix cache, {} computed)",
+                out.display(),
+                stats.tokens_reused,
+                stats.tokens_computed
+            );
+        }
+        EpisodeCommand::Render {
+            episode,
+            step,
+            allocation,
+            protocol,
+            out,
+        } => {
+            let ep = Episode::load(&episode)?;
+            let protocol = protocol.unwrap_or(Protocol::for_platform(ep.platform));
+            let messages = render_decision(protocol, &ep.decision(step)?, &allocation)?;
+            let json = recall::tokenize::chat::messages_to_json(&messages);
+            std::fs::write(&out, serde_json::to_string_pretty(&json)?)
+                .with_context(|| format!("writing {}", out.display()))?;
         }
     }
     Ok(())

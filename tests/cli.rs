@@ -239,3 +239,130 @@ fn adapter_flags_load_and_apply_the_adapter() {
         stderr(&o)
     );
 }
+
+#[test]
+fn episode_render_run_and_label() {
+    let model = fixture("tiny-qwen3-vl");
+    let episode = fixture("episode-sample");
+    let tmp = tempfile::tempdir().unwrap();
+    let (m, e) = (model.to_str().unwrap(), episode.to_str().unwrap());
+
+    // render → logits accepts it.
+    let rendered = tmp.path().join("step5.json");
+    let o = recall(&[
+        "episode",
+        "render",
+        "--episode",
+        e,
+        "--step",
+        "5",
+        "--allocation",
+        "1,3",
+        "--out",
+        rendered.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let logits = tmp.path().join("logits.safetensors");
+    let o = recall(&[
+        "logits",
+        "--model",
+        m,
+        "--messages",
+        rendered.to_str().unwrap(),
+        "--out",
+        logits.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (values, shape) = Reference::from_file(&logits).f32("logits");
+    assert!(shape[0] > 100 && values.iter().all(|v| v.is_finite()));
+    // An invalid allocation is an error that says why.
+    let o = recall(&[
+        "episode",
+        "render",
+        "--episode",
+        e,
+        "--step",
+        "3",
+        "--allocation",
+        "2,1",
+        "--out",
+        "/tmp/x.json",
+    ]);
+    assert!(
+        !o.status.success() && !stderr(&o).contains("panicked"),
+        "{}",
+        stderr(&o)
+    );
+
+    // run with Recent-B: no second pass anywhere.
+    let json = tmp.path().join("run.json");
+    let o = recall(&[
+        "episode",
+        "run",
+        "--model",
+        m,
+        "--episode",
+        e,
+        "--budget",
+        "2",
+        "--policy",
+        "recent",
+        "--max-tokens",
+        "6",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let reports: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let reports = reports.as_array().unwrap();
+    assert!(!reports.is_empty());
+    assert!(reports.iter().all(|r| r["pass2"] == false && r["k"] == 0));
+    let o = recall(&[
+        "episode",
+        "run",
+        "--model",
+        m,
+        "--episode",
+        e,
+        "--policy",
+        "selector",
+    ]);
+    assert!(
+        !o.status.success() && stderr(&o).contains("--selector"),
+        "{}",
+        stderr(&o)
+    );
+
+    // label: the Recent-1 anchor is the singleton {T}; scored in different calls, Q is bitwise equal.
+    let out = tmp.path().join("labels.jsonl");
+    let o = recall(&[
+        "episode",
+        "label",
+        "--model",
+        m,
+        "--episode",
+        e,
+        "--budgets",
+        "1,2",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let labels: Vec<serde_json::Value> = std::fs::read_to_string(&out)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for t in 2..=6 {
+        let of = |kind: &str, set: serde_json::Value| {
+            labels
+                .iter()
+                .find(|l| l["t"] == t && l["kind"] == kind && l["set"] == set)
+                .map(|l| l["q"].as_f64().unwrap())
+        };
+        let single = of("singleton", serde_json::json!([t - 1])).unwrap();
+        assert_eq!(of("recent", serde_json::json!([t - 1])), Some(single), "t={t}");
+        assert!(single < 0.0);
+    }
+    assert!(labels.iter().any(|l| l["kind"] == "beam"));
+}

@@ -292,3 +292,209 @@ fn bucket(b: ParsedBucket) -> ActionBucket {
         ParsedBucket::Other => ActionBucket::Other,
     }
 }
+
+/// The allocation policies the CLI offers, by name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicyChoice {
+    /// recent | random | rgb | selector | inverted
+    pub name: String,
+    /// The scorer (safetensors) for `selector` and `inverted`.
+    pub selector: Option<PathBuf>,
+    /// Composition mode for the learned scorer.
+    pub mode: crate::memory::selector::Mode,
+    /// Most older events the scorer may promote (default: B).
+    pub max_replacements: Option<usize>,
+    /// Seed of `random`.
+    pub seed: u64,
+}
+
+/// Builds the named policy.
+///
+/// ```
+/// use recall::agent::causalcache::{make_policy, PolicyChoice};
+/// use recall::memory::selector::Mode;
+/// let c = PolicyChoice { name: "recent".into(), selector: None, mode: Mode::Paper, max_replacements: None, seed: 0 };
+/// assert_eq!(make_policy(&c).unwrap().name(), "recent");
+/// ```
+pub fn make_policy(c: &PolicyChoice) -> Result<Box<dyn AllocationPolicy>> {
+    use crate::memory::policy::{Inverted, Random, Recent, Rgb, Selector};
+    use crate::memory::selector::{ComposeOptions, MarginalScorer};
+    let scorer = || -> Result<(MarginalScorer, ComposeOptions)> {
+        let path = c.selector.as_ref().ok_or_else(|| {
+            Error::InvalidRequest(format!(
+                "policy `{}` needs --selector FILE (a scorer safetensors)",
+                c.name
+            ))
+        })?;
+        let mut options = ComposeOptions::new(c.mode);
+        options.max_replacements = c.max_replacements;
+        Ok((MarginalScorer::load(path)?, options))
+    };
+    Ok(match c.name.as_str() {
+        "recent" => Box::new(Recent),
+        "random" => Box::new(Random { seed: c.seed }),
+        "rgb" => Box::new(Rgb),
+        "selector" => {
+            let (scorer, options) = scorer()?;
+            Box::new(Selector { scorer, options })
+        }
+        "inverted" => {
+            let (scorer, options) = scorer()?;
+            Box::new(Inverted { scorer, options })
+        }
+        other => {
+            return Err(Error::InvalidRequest(format!(
+                "unknown policy `{other}` (recent, random, rgb, selector, inverted)"
+            )))
+        }
+    })
+}
+
+/// Replays every decision of `episode` with the two-pass step, showing progress.
+pub fn run_episode<B: Backend>(
+    p: &Pipeline<B>,
+    engine: &mut Engine<'_, B>,
+    episode: &Episode,
+    policy: &mut dyn AllocationPolicy,
+    cfg: &TwoPassConfig,
+) -> Result<Vec<StepReport>> {
+    let n = episode.decisions();
+    let bar = indicatif::ProgressBar::new(n as u64).with_style(
+        indicatif::ProgressStyle::with_template("replaying {bar:30} {pos}/{len} steps")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let mut memo = EpisodeMemo::default();
+    let mut out = Vec::with_capacity(n);
+    for t in 1..=n {
+        let r = two_pass_step(p, engine, episode, t, policy, cfg, &mut memo)?;
+        tracing::info!(t, allocation = ?r.allocation, k = r.k, pass2 = r.pass2, "step");
+        out.push(r);
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    Ok(out)
+}
+
+/// A plain-text table of an episode's steps.
+pub fn steps_table(reports: &[StepReport]) -> String {
+    let mut s = String::from(
+        " t | Recent-B     | S            | k | pass 2 | pass 1 ms | select ms | pass 2 ms | reused 1/2 | draft | match\n",
+    );
+    s.push_str(&"-".repeat(108));
+    s.push('\n');
+    let list = |v: &[usize]| v.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
+    for r in reports {
+        s.push_str(&format!(
+            "{:>2} | {:<12} | {:<12} | {} | {:<6} | {:>9.1} | {:>9.3} | {:>9.1} | {:>10} | {:>5} | {}\n",
+            r.t,
+            list(&r.recent),
+            list(&r.allocation),
+            r.k,
+            if r.pass2 { "yes" } else { "no" },
+            r.timings.pass1_ms,
+            r.timings.selector_ms,
+            r.timings.pass2_ms,
+            format!("{}/{}", r.reused_tokens.0, r.reused_tokens.1),
+            r.accepted_draft,
+            match r.matches_record {
+                Some(true) => "yes",
+                Some(false) => "no",
+                None => "-",
+            },
+        ));
+    }
+    s
+}
+
+/// One utility label: Q(S), the mean log-probability of the recorded response given the prompt
+/// rendered with allocation S.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct UtilityLabel {
+    pub t: usize,
+    /// singleton | recent | beam
+    pub kind: &'static str,
+    pub set: Vec<usize>,
+    pub q: f64,
+    pub sum_logprob: f64,
+    pub tokens: usize,
+}
+
+/// Utility labels of decision `t` (which must have a recorded response): singletons over the whole
+/// pool, Recent-B anchors for every budget in `budgets`, and beam-teacher sets (shortlist the top 6
+/// singletons, beam 3, up to the largest budget). Every set is scored as a complete prompt; the
+/// sets of one level are scored in one shared-prefix call.
+pub fn utility_labels<B: Backend>(
+    p: &Pipeline<B>,
+    engine: &mut Engine<'_, B>,
+    episode: &Episode,
+    t: usize,
+    protocol: Protocol,
+    budgets: &[usize],
+) -> Result<Vec<UtilityLabel>> {
+    let decision = episode.decision(t)?;
+    let reference = decision
+        .reference
+        .ok_or_else(|| Error::InvalidRequest(format!("decision {t} has no recorded response to label")))?;
+    let target = p.tokenizer.encode(reference)?;
+    let pool: Vec<usize> = protocol.eligible(t - 1).collect();
+    let score_sets = |engine: &mut Engine<'_, B>, sets: &[Vec<usize>]| -> Result<Vec<(f64, f64)>> {
+        let pairs = sets
+            .iter()
+            .map(|s| Ok((prompt_for(p, engine, protocol, &decision, s)?, target.clone())))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(engine
+            .score_many(&pairs)?
+            .into_iter()
+            .map(|s| (s.mean_logprob, s.sum_logprob))
+            .collect())
+    };
+    let label = |kind, set: &Vec<usize>, (q, sum): (f64, f64)| UtilityLabel {
+        t,
+        kind,
+        set: set.clone(),
+        q,
+        sum_logprob: sum,
+        tokens: target.len(),
+    };
+    let mut labels = Vec::new();
+    let singles: Vec<Vec<usize>> = pool.iter().map(|&j| vec![j]).collect();
+    let single_q = score_sets(engine, &singles)?;
+    labels.extend(
+        singles
+            .iter()
+            .zip(&single_q)
+            .map(|(s, q)| label("singleton", s, *q)),
+    );
+    let anchors: Vec<Vec<usize>> = budgets.iter().map(|&b| protocol.recent_b(t - 1, b)).collect();
+    let anchor_q = score_sets(engine, &anchors)?;
+    labels.extend(anchors.iter().zip(&anchor_q).map(|(s, q)| label("recent", s, *q)));
+
+    // Beam teacher: grow sets from the best singletons.
+    let mut ranked: Vec<(usize, f64)> = pool.iter().copied().zip(single_q.iter().map(|q| q.0)).collect();
+    ranked.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let shortlist: Vec<usize> = ranked.iter().take(6).map(|r| r.0).collect();
+    let max_size = budgets.iter().copied().max().unwrap_or(0).min(shortlist.len());
+    let mut beam: Vec<Vec<usize>> = shortlist.iter().take(3).map(|&j| vec![j]).collect();
+    for _ in 1..max_size {
+        let mut children: Vec<Vec<usize>> = Vec::new();
+        for parent in &beam {
+            for &c in shortlist.iter().filter(|c| !parent.contains(c)) {
+                let mut s = parent.clone();
+                s.push(c);
+                s.sort_unstable();
+                if !children.contains(&s) {
+                    children.push(s);
+                }
+            }
+        }
+        if children.is_empty() {
+            break;
+        }
+        let qs = score_sets(engine, &children)?;
+        let mut scored: Vec<(Vec<usize>, (f64, f64))> = children.into_iter().zip(qs).collect();
+        labels.extend(scored.iter().map(|(s, q)| label("beam", s, *q)));
+        scored.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
+        beam = scored.into_iter().take(3).map(|(s, _)| s).collect();
+    }
+    Ok(labels)
+}

@@ -3,3 +3,6 @@
 pub mod action;
 pub mod causalcache;
 pub mod chart;
+pub mod dataset;
+pub mod demo;
+pub mod eval;

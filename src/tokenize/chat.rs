@@ -271,6 +271,36 @@ fn render_qwen25_vl(out: &mut RenderedChat, messages: &[ChatMessage]) {
     }
 }
 
+/// Writes messages as an OpenAI-style JSON array (text parts and `image_url` parts), the form
+/// [`parse_messages`] reads back.
+///
+/// ```
+/// use recall::tokenize::chat::{messages_to_json, parse_messages, ChatMessage, ContentPart};
+/// let m = vec![ChatMessage::new("user", vec![ContentPart::Text("hi".into()), ContentPart::Image("a.png".into())])];
+/// let json = messages_to_json(&m).to_string();
+/// assert_eq!(parse_messages(&json, std::path::Path::new("x")).unwrap(), m);
+/// ```
+pub fn messages_to_json(messages: &[ChatMessage]) -> Value {
+    Value::Array(
+        messages
+            .iter()
+            .map(|m| {
+                let parts: Vec<Value> = m
+                    .content
+                    .iter()
+                    .map(|p| match p {
+                        ContentPart::Text(t) => serde_json::json!({"type": "text", "text": t}),
+                        ContentPart::Image(u) => {
+                            serde_json::json!({"type": "image_url", "image_url": {"url": u}})
+                        }
+                    })
+                    .collect();
+                serde_json::json!({"role": m.role, "content": parts})
+            })
+            .collect(),
+    )
+}
+
 /// Parses an OpenAI-style conversation: a JSON array of messages, or an object whose `messages` field is
 /// one. `path` names the document in errors.
 ///

@@ -1,0 +1,151 @@
+//! `recall::bench` end to end on the CPU backend with the tiny Qwen3-VL config: random weights,
+//! every measurement, and every optimised path's greedy output identical to the plain path's. Timings
+//! are only checked to be positive (no thresholds).
+
+use std::path::Path;
+
+use recall::bench::{run_bench, BenchArgs, BenchReport, GridSpec, LayoutRun};
+
+fn fixture() -> &'static Path {
+    Path::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/tiny-qwen3-vl"
+    ))
+}
+
+fn check(report: &BenchReport) {
+    for (name, identical) in report.identical_flags() {
+        assert!(
+            identical,
+            "{name}: greedy output differs from the plain path\n{}",
+            report.to_table()
+        );
+    }
+    assert!(report.all_identical);
+    let s = &report.shapes;
+    assert!(s.pass1_tokens > 0 && s.pass2_tokens > 0 && s.scopemem_tokens == s.pass1_tokens + 16);
+    assert_ne!(s.allocation, s.recent, "pass 2 must render another allocation");
+    assert!(report.weights.params > 0 && report.weights.file_bytes > 0);
+    assert!(report.vision.ms > 0.0 && report.vision.tflop > 0.0 && report.vision.tflops > 0.0);
+    assert_eq!(report.prefill.len(), 3);
+    for p in &report.prefill {
+        assert!(
+            p.ms > 0.0 && p.tflop > 0.0 && p.tflops > 0.0 && p.floor_ms > 0.0,
+            "{p:?}"
+        );
+    }
+    assert_eq!(report.prefill[0].vision_images, s.budget + 1);
+    assert_eq!(report.prefill[1].vision_images, 1);
+    assert_eq!(report.prefill[2].vision_images, 0);
+    assert!(report.prefill[0].tflop > report.prefill[2].tflop);
+    let d = &report.decode;
+    assert!(d.ms_per_token > 0.0 && d.gb_per_token > 0.0 && d.gbs > 0.0 && d.context > s.pass1_tokens);
+    assert_eq!(report.causalcache.len(), 5);
+    assert_eq!(report.scopemem.len(), 2);
+    for r in report.causalcache.iter().chain(&report.scopemem) {
+        assert!(r.pass1_ms > 0.0 && r.pass2_ms > 0.0 && r.total_ms > 0.0, "{r:?}");
+        assert!(
+            r.pass1_prefill_ms > 0.0 && r.pass1_prefill_ms <= r.pass1_ms,
+            "{r:?}"
+        );
+        assert_eq!(r.pass1_tokens.len(), s.response_tokens);
+        assert_eq!(r.pass2_tokens.len(), s.response_tokens);
+    }
+    let plain = &report.causalcache[0];
+    assert_eq!((plain.reused_pass1, plain.reused_pass2), (0, 0));
+    // With reuse, pass 2 shares the system prompt and the first folded lines with pass 1.
+    assert!(
+        report.causalcache[1].reused_pass2 > 0,
+        "{:?}",
+        report.causalcache[1]
+    );
+    // The oracle draft is the plain pass 2 output: every draft token is accepted.
+    let oracle = &report.causalcache[4];
+    assert_eq!(oracle.accepted_draft, s.response_tokens);
+    // The layout for tools/hf_bench.py: B + 1 screenshots.
+    let images = s
+        .pass1_layout
+        .iter()
+        .filter(|r| matches!(r, LayoutRun::Image { .. }))
+        .count();
+    assert_eq!(images, s.budget + 1);
+    let table = report.to_table();
+    assert!(table.contains("identical") && !table.contains(" NO"), "{table}");
+    let json: serde_json::Value = serde_json::from_str(&report.to_json().unwrap()).unwrap();
+    assert_eq!(json["all_identical"], serde_json::Value::Bool(true));
+}
+
+#[test]
+fn tiny_bench_on_cpu() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("bench.json");
+    let args = BenchArgs {
+        weights_dir: Some(dir.path().to_path_buf()),
+        json_out: Some(json.clone()),
+        ..BenchArgs::tiny(fixture())
+    };
+    let report = run_bench(&args).unwrap();
+    println!("{}", report.to_table());
+    check(&report);
+    let back: BenchReport = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(back.shapes, report.shapes);
+    // Only the JSON is left behind: the random weights are deleted.
+    let left: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left, vec![std::ffi::OsString::from("bench.json")]);
+}
+
+#[test]
+fn depth_override_chunking_and_pixel_grid() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = BenchArgs {
+        weights_dir: Some(dir.path().to_path_buf()),
+        layers: Some(2),
+        grid: "64x96px".parse().unwrap(),
+        budget: 1,
+        history: 3,
+        response_tokens: 3,
+        repeats: 2,
+        chunk_size: 7,
+        max_batch_tokens: 7,
+        ..BenchArgs::tiny(fixture())
+    };
+    let report = run_bench(&args).unwrap();
+    assert_eq!(report.layers, 2);
+    assert_eq!(report.shapes.grid, [1, 4, 6]);
+    check(&report);
+}
+
+#[test]
+fn grid_specs_and_bad_args() {
+    assert_eq!(
+        "1x80x128".parse::<GridSpec>(),
+        Ok(GridSpec::Patches([1, 80, 128]))
+    );
+    assert_eq!("80x128".parse::<GridSpec>(), Ok(GridSpec::Patches([1, 80, 128])));
+    assert_eq!(
+        "1280x2048px".parse::<GridSpec>(),
+        Ok(GridSpec::Pixels {
+            height: 1280,
+            width: 2048
+        })
+    );
+    assert!("12".parse::<GridSpec>().is_err());
+    let bad = BenchArgs {
+        history: 2,
+        ..BenchArgs::tiny(fixture())
+    };
+    assert!(run_bench(&bad).is_err(), "history must exceed the budget");
+    let bad = BenchArgs {
+        backend: "tpu".into(),
+        ..BenchArgs::tiny(fixture())
+    };
+    assert!(run_bench(&bad).is_err());
+    let bad = BenchArgs {
+        grid: GridSpec::Patches([1, 3, 4]),
+        ..BenchArgs::tiny(fixture())
+    };
+    assert!(run_bench(&bad).is_err(), "odd grid");
+}
