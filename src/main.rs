@@ -8,12 +8,17 @@ use recall::agent::causalcache::{
     make_policy, run_episode, steps_table, utility_labels, PolicyChoice, TwoPassConfig,
 };
 use recall::agent::chart::{write_allocation_chart, AllocationRow};
+use recall::agent::dataset::StepDataset;
 use recall::agent::demo::{demo_footer, run_demo, DemoPaths};
+use recall::agent::eval::{evaluate, BootstrapConfig, StepOutcome};
+use recall::agent::scopemem::{run_dataset, DatasetResult, Placement, ScopeMemConfig};
 use recall::backend::cpu::CpuBackend;
+use recall::bench::{run_bench, BenchArgs};
 use recall::engine::{EngineConfig, Pipeline};
 use recall::memory::episode::Episode;
 use recall::memory::protocol::{render_decision, Protocol};
 use recall::memory::selector::Mode;
+use recall::model::scopemem::ScopeMemEncoder;
 use recall::model::AdapterMode;
 use recall::tokenize::chat::{parse_messages, ChatMessage};
 
@@ -98,6 +103,77 @@ enum Command {
         #[command(subcommand)]
         command: EpisodeCommand,
     },
+    /// ScopeMem: first opinion, encoder prefix, second opinion.
+    Scopemem {
+        #[command(subcommand)]
+        command: ScopememCommand,
+    },
+    /// Evaluate the actor (and ScopeMem with --encoder) on a step-level dataset: EM, TM, repairs,
+    /// harms, ΔAcc with trajectory-bootstrap intervals.
+    Eval {
+        #[command(flatten)]
+        run: DatasetRunArgs,
+        /// Bootstrap resamples for the 95% intervals (0: none).
+        #[arg(long, default_value_t = 1000)]
+        bootstrap: usize,
+        /// Write the report as JSON.
+        #[arg(long)]
+        json: Option<PathBuf>,
+        /// Write the report as Markdown.
+        #[arg(long)]
+        markdown: Option<PathBuf>,
+    },
+    /// Benchmark an agent step on random weights of a real config (docs/BENCH.md).
+    Bench {
+        /// Directory with the model shape's config.json (weights are random).
+        #[arg(long, default_value = "models/qwen3-vl-8b-instruct")]
+        config_dir: PathBuf,
+        /// cpu or cuda.
+        #[arg(long, default_value = "cuda")]
+        backend: String,
+        /// History screenshots per prompt (B).
+        #[arg(long)]
+        budget: Option<usize>,
+        /// Screenshot size: TxHxW patches (1x80x128), HxW patches, or HxWpx pixels.
+        #[arg(long)]
+        grid: Option<recall::bench::GridSpec>,
+        /// Completed steps before the current one (must exceed the budget).
+        #[arg(long)]
+        history: Option<usize>,
+        /// Tokens generated per pass.
+        #[arg(long)]
+        response_tokens: Option<usize>,
+        /// Text tokens of the system prompt.
+        #[arg(long)]
+        system_tokens: Option<usize>,
+        /// Text tokens per folded step line.
+        #[arg(long)]
+        step_tokens: Option<usize>,
+        /// Override the decoder depth.
+        #[arg(long)]
+        layers: Option<usize>,
+        /// Timed repetitions (median reported).
+        #[arg(long)]
+        repeats: Option<usize>,
+        /// Chunked-prefill size.
+        #[arg(long)]
+        chunk_size: Option<usize>,
+        /// Most tokens per forward.
+        #[arg(long)]
+        max_batch_tokens: Option<usize>,
+        /// Where the temporary random weights are written.
+        #[arg(long)]
+        weights_dir: Option<PathBuf>,
+        /// Also write the report as JSON.
+        #[arg(long)]
+        json_out: Option<PathBuf>,
+        /// Fewer variants (for a short device call).
+        #[arg(long)]
+        quick: bool,
+        /// A CPU-sized run (tiny shapes).
+        #[arg(long)]
+        tiny: bool,
+    },
     /// The bundled CausalCache demo: a 12-step synthetic episode on the tiny model.
     Demo {
         /// History screenshots per prompt (B).
@@ -107,6 +183,62 @@ enum Command {
         #[arg(long, default_value = "demo-allocation.png")]
         chart: PathBuf,
     },
+}
+
+/// A model, a dataset and the ScopeMem settings.
+#[derive(clap::Args)]
+struct DatasetRunArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Step-level dataset (JSONL; docs/EVAL.md).
+    #[arg(long)]
+    dataset: PathBuf,
+    /// ScopeMem encoder directory (scopemem_config.json + scopemem.safetensors); without it the
+    /// actor answers once.
+    #[arg(long)]
+    encoder: Option<PathBuf>,
+    /// prepend (the paper) or append (before the assistant turn; needs its own training).
+    #[arg(long, default_value = "prepend", value_parser = parse_placement)]
+    placement: Placement,
+    /// Most generated tokens per opinion.
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    /// Only these dataset lines (1-based), e.g. 3 or 3,7.
+    #[arg(long, value_delimiter = ',')]
+    lines: Vec<usize>,
+}
+
+#[derive(Subcommand)]
+enum ScopememCommand {
+    /// Run ScopeMem over a dataset (or some of its lines) and print both opinions, p0 and H0 per step.
+    Run {
+        #[command(flatten)]
+        run: DatasetRunArgs,
+    },
+}
+
+fn parse_placement(s: &str) -> std::result::Result<Placement, String> {
+    match s {
+        "prepend" => Ok(Placement::Prepend),
+        "append" => Ok(Placement::Append),
+        other => Err(format!("placement `{other}`: expected prepend or append")),
+    }
+}
+
+/// Loads the model, dataset and encoder and runs them.
+fn run_dataset_args(a: &DatasetRunArgs) -> Result<(StepDataset, Vec<DatasetResult>)> {
+    let p = load(&a.model)?;
+    let dataset = StepDataset::load(&a.dataset)?;
+    let encoder = a.encoder.as_deref().map(ScopeMemEncoder::load).transpose()?;
+    let cfg = ScopeMemConfig {
+        placement: a.placement,
+        max_tokens: a.max_tokens,
+        draft: true,
+    };
+    let mut engine = p.engine(EngineConfig::default())?;
+    let lines = (!a.lines.is_empty()).then_some(a.lines.as_slice());
+    let results = run_dataset(&p, &mut engine, encoder.as_ref(), &dataset, lines, &cfg)?;
+    Ok((dataset, results))
 }
 
 #[derive(Subcommand)]
@@ -283,6 +415,79 @@ fn main() -> Result<()> {
             println!("{v}");
         }
         Command::Episode { command } => episode(command)?,
+        Command::Bench {
+            config_dir,
+            backend,
+            budget,
+            grid,
+            history,
+            response_tokens,
+            system_tokens,
+            step_tokens,
+            layers,
+            repeats,
+            chunk_size,
+            max_batch_tokens,
+            weights_dir,
+            json_out,
+            quick,
+            tiny,
+        } => {
+            let mut a = if tiny {
+                BenchArgs {
+                    backend,
+                    ..BenchArgs::tiny(&config_dir)
+                }
+            } else {
+                BenchArgs::default_for(&config_dir, &backend)
+            };
+            a.budget = budget.unwrap_or(a.budget);
+            a.grid = grid.unwrap_or(a.grid);
+            a.history = history.unwrap_or(a.history);
+            a.response_tokens = response_tokens.unwrap_or(a.response_tokens);
+            a.system_tokens = system_tokens.unwrap_or(a.system_tokens);
+            a.step_tokens = step_tokens.unwrap_or(a.step_tokens);
+            a.layers = layers.or(a.layers);
+            a.repeats = repeats.unwrap_or(a.repeats);
+            a.chunk_size = chunk_size.unwrap_or(a.chunk_size);
+            a.max_batch_tokens = max_batch_tokens.unwrap_or(a.max_batch_tokens);
+            a.weights_dir = weights_dir.or(a.weights_dir);
+            a.json_out = json_out.or(a.json_out);
+            a.quick |= quick;
+            let report = run_bench(&a)?;
+            print!("{}", report.to_table());
+        }
+        Command::Scopemem {
+            command: ScopememCommand::Run { run },
+        } => {
+            let (_, results) = run_dataset_args(&run)?;
+            for r in &results {
+                println!("{}", serde_json::to_string(r)?);
+            }
+        }
+        Command::Eval {
+            run,
+            bootstrap,
+            json,
+            markdown,
+        } => {
+            let (dataset, results) = run_dataset_args(&run)?;
+            let outcomes: Vec<StepOutcome> = results.into_iter().map(|r| r.outcome).collect();
+            let boot = BootstrapConfig {
+                resamples: bootstrap,
+                ..BootstrapConfig::default()
+            };
+            let report = evaluate(&outcomes, dataset.platform, boot)?;
+            if let Some(path) = json {
+                std::fs::write(&path, report.to_json())
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
+            let md = report.to_markdown();
+            if let Some(path) = markdown {
+                std::fs::write(&path, &md).with_context(|| format!("writing {}", path.display()))?;
+            }
+            print!("{md}");
+        }
         Command::Demo { budget, chart } => {
             let root = std::env::current_dir()?;
             let root = if root.join("models/demo").exists() {

@@ -366,3 +366,63 @@ fn episode_render_run_and_label() {
     }
     assert!(labels.iter().any(|l| l["kind"] == "beam"));
 }
+
+#[test]
+fn scopemem_run_and_eval_on_bundled_data() {
+    let model = fixture("tiny-qwen3-vl");
+    let dataset = fixture("eval/aitw_steps.jsonl");
+    let encoder = fixture("scopemem/encoder");
+    let (m, d, enc) = (
+        model.to_str().unwrap(),
+        dataset.to_str().unwrap(),
+        encoder.to_str().unwrap(),
+    );
+    let o = recall(&[
+        "scopemem",
+        "run",
+        "--model",
+        m,
+        "--dataset",
+        d,
+        "--encoder",
+        enc,
+        "--lines",
+        "1,2",
+        "--max-tokens",
+        "4",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 2);
+    for r in &rows {
+        let p0: Vec<f64> = serde_json::from_value(r["opinions"]["p0"].clone()).unwrap();
+        assert_eq!(p0.len(), 10);
+        assert!((p0.iter().sum::<f64>() - 1.0).abs() < 1e-4);
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("report.json");
+    let o = recall(&[
+        "eval",
+        "--model",
+        m,
+        "--dataset",
+        d,
+        "--encoder",
+        enc,
+        "--lines",
+        "1,2,3",
+        "--max-tokens",
+        "4",
+        "--bootstrap",
+        "50",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("ΔAcc"));
+    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(report["overall"]["counts"]["steps"], 3);
+}

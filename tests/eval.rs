@@ -71,7 +71,8 @@ const PLAN: [(Kind, Kind, usize); 14] = [
     (Far, OtherType, 2),
 ];
 
-/// 40 steps, shuffled with a fixed seed, 5 per episode over 8 episodes; every step has a target box.
+/// 40 steps, shuffled with a fixed seed, 5 per episode over 8 episodes; every step has a target box
+/// that holds the reference and InBox points but not Far or Near ones.
 fn synthetic(subset: Option<&str>) -> Vec<StepOutcome> {
     let mut plan: Vec<(Kind, Kind)> = PLAN
         .iter()
@@ -90,7 +91,7 @@ fn synthetic(subset: Option<&str>) -> Vec<StepOutcome> {
                 reference: click(x, y),
                 first: opinion(a, x, y),
                 second: opinion(b, x, y),
-                target_box: Some([x - 100, y - 50, x + 100, y + 50]),
+                target_box: Some([x - 5, y - 5, x + 100, y + 5]), // holds InBox, not Far or Near
             }
         })
         .collect()

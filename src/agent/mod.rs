@@ -6,3 +6,4 @@ pub mod chart;
 pub mod dataset;
 pub mod demo;
 pub mod eval;
+pub mod scopemem;

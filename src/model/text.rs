@@ -263,6 +263,11 @@ impl<B: Backend> TextModel<B> {
         &self.cfg
     }
 
+    /// The frozen input embeddings of `ids` (`[ids.len(), hidden]`), e.g. for the ScopeMem encoder.
+    pub fn embed(&self, be: &B, ids: &[u32]) -> Result<B::Tensor> {
+        be.embedding(&self.embed_tokens, ids)
+    }
+
     /// Installs (or removes) the K/V LoRA adapter.
     pub fn set_adapter(&mut self, adapter: Option<Adapter<B>>) {
         self.adapter = adapter;

@@ -1,0 +1,423 @@
+//! The ScopeMem step: first opinion, encoder prefix, second opinion.
+//!
+//! 1. The frozen actor answers alone: the first opinion a0 (greedy).
+//! 2. p0, the actor's probabilities over the protocol's 10 action types, is computed exactly: every
+//!    action-type continuation is scored at the decision position (the point of a0 where the tool
+//!    call names its action) in one shared-prefix batch, and the sums are normalised. H0 is its
+//!    entropy.
+//! 3. The encoder reads a0, the task, a rolling summary of the last three steps and the recent
+//!    actions (as the actor's frozen token embeddings), with p0 and H0, and writes K = 16 prefix
+//!    vectors.
+//! 4. The actor answers again with the prefix — prepended to its input embeddings as in the paper
+//!    (positions as text tokens), or, as a variant that needs its own training, appended right before
+//!    the assistant turn so that the context's K/V are reused. The second pass drafts from a0's
+//!    tokens; greedy verification keeps it exactly what plain decoding gives.
+
+use serde::Serialize;
+
+use crate::agent::action::{parse_response, Platform};
+use crate::agent::dataset::EvalStep;
+use crate::backend::Backend;
+use crate::engine::{
+    Engine, GenerateParams, Generation, Outcome, Pipeline, Prompt, RequestOptions, Segment, Task,
+};
+use crate::error::{Error, Result};
+use crate::memory::episode::StepRecord;
+use crate::memory::protocol::{render, Protocol};
+use crate::model::scopemem::{action_type_entropy, EncoderInputs, ScopeMemEncoder, NUM_ACTION_TYPES};
+
+/// The mobile protocol's action types, in the order of p0.
+pub const MOBILE_ACTION_TYPES: [&str; NUM_ACTION_TYPES] = [
+    "key",
+    "click",
+    "long_press",
+    "swipe",
+    "type",
+    "system_button",
+    "open",
+    "wait",
+    "answer",
+    "terminate",
+];
+
+/// Where the prefix goes in the second pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+pub enum Placement {
+    /// Before the whole prompt (the paper).
+    #[default]
+    Prepend,
+    /// Right before the assistant turn (reuses the context's K/V; needs its own training).
+    Append,
+}
+
+/// Settings of a ScopeMem step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScopeMemConfig {
+    pub placement: Placement,
+    pub max_tokens: usize,
+    /// Draft the second pass from the first opinion's tokens.
+    pub draft: bool,
+}
+
+impl Default for ScopeMemConfig {
+    fn default() -> Self {
+        ScopeMemConfig {
+            placement: Placement::Prepend,
+            max_tokens: 256,
+            draft: true,
+        }
+    }
+}
+
+/// Both opinions of one step.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Opinions {
+    pub first: String,
+    /// The actor's probabilities over [`MOBILE_ACTION_TYPES`] at the decision position.
+    pub p0: [f32; NUM_ACTION_TYPES],
+    pub h0: f32,
+    pub second: String,
+    /// Decoder forwards the second pass took.
+    pub second_pass_forwards: u64,
+    /// Draft tokens the second pass accepted.
+    pub accepted_draft: usize,
+}
+
+/// The text of `first` up to and including the point where its tool call names the action
+/// (`"action": "`); when it has none, the canonical opening of a tool call after its action line.
+pub fn decision_prefix(first: &str, platform: Platform) -> String {
+    if let Some(at) = first.find("\"action\"") {
+        let rest = &first[at + "\"action\"".len()..];
+        let colon = rest.len() - rest.trim_start().len();
+        if let Some(after_colon) = rest.trim_start().strip_prefix(':') {
+            let spaces = after_colon.len() - after_colon.trim_start().len();
+            if after_colon.trim_start().starts_with('"') {
+                let end = at + "\"action\"".len() + colon + 1 + spaces + 1;
+                return first[..end].to_string();
+            }
+        }
+    }
+    let line = first.split("<tool_call>").next().unwrap_or_default().trim_end();
+    format!(
+        "{line}\n<tool_call>\n{{\"name\": \"{}\", \"arguments\": {{\"action\": \"",
+        platform.tool_name()
+    )
+}
+
+/// p0: the actor's distribution over the action types at the decision position of `first`,
+/// computed exactly by scoring every continuation `TYPE"` in one shared-prefix call.
+pub fn action_type_distribution<B: Backend>(
+    p: &Pipeline<B>,
+    engine: &mut Engine<'_, B>,
+    prompt: &Prompt,
+    first: &str,
+    platform: Platform,
+) -> Result<[f32; NUM_ACTION_TYPES]> {
+    let prefix = decision_prefix(first, platform);
+    // Tokenise each full continuation jointly with the prefix (BPE may merge across the boundary)
+    // and score from the longest token prefix they all share.
+    let seqs: Vec<Vec<u32>> = MOBILE_ACTION_TYPES
+        .iter()
+        .map(|t| p.tokenizer.encode(&format!("{prefix}{t}\"")))
+        .collect::<Result<_>>()?;
+    let min_len = seqs.iter().map(Vec::len).min().unwrap_or(0);
+    let shared = (0..min_len.saturating_sub(1))
+        .take_while(|&i| seqs.iter().all(|s| s[i] == seqs[0][i]))
+        .count();
+    let mut at_decision = prompt.clone();
+    at_decision
+        .segments
+        .push(Segment::Text(seqs[0][..shared].to_vec()));
+    let pairs: Vec<(Prompt, Vec<u32>)> = seqs
+        .iter()
+        .map(|s| (at_decision.clone(), s[shared..].to_vec()))
+        .collect();
+    let sums: Vec<f64> = engine.score_many(&pairs)?.iter().map(|s| s.sum_logprob).collect();
+    let max = sums.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let z: f64 = sums.iter().map(|s| (s - max).exp()).sum();
+    let mut p0 = [0f32; NUM_ACTION_TYPES];
+    for (o, s) in p0.iter_mut().zip(&sums) {
+        *o = ((s - max).exp() / z) as f32;
+    }
+    Ok(p0)
+}
+
+/// One greedy generation through the engine; returns it with the forwards it took and the draft
+/// tokens accepted.
+fn generate<B: Backend>(
+    p: &Pipeline<B>,
+    engine: &mut Engine<'_, B>,
+    prompt: &Prompt,
+    max_tokens: usize,
+    draft: Vec<u32>,
+) -> Result<(Generation, u64, usize)> {
+    let mut eos = p.eos_token_ids();
+    eos.extend(p.tokenizer.token_id("</tool_call>"));
+    let params = GenerateParams {
+        max_tokens,
+        eos_token_ids: eos,
+        stop_strings: Vec::new(),
+    };
+    let before = engine.forwards;
+    let id = engine.add_request_with(
+        prompt,
+        Task::Generate(params),
+        RequestOptions {
+            draft,
+            ..Default::default()
+        },
+    )?;
+    let out = engine.run_all()?.into_iter().find(|o| o.id == id);
+    let out = out.ok_or_else(|| Error::InvalidRequest(format!("request {id} vanished")))?;
+    match out.outcome {
+        Outcome::Generation(g) => Ok((g, engine.forwards - before, out.accepted_draft)),
+        Outcome::Failed(e) => Err(Error::InvalidRequest(e)),
+        other => Err(Error::InvalidRequest(format!("unexpected outcome {other:?}"))),
+    }
+}
+
+/// Which end of a field the encoder keeps when it is longer than the encoder's positions.
+#[derive(Clone, Copy)]
+enum Keep {
+    First,
+    Last,
+}
+
+/// An encoder text field as the actor's frozen token embeddings, cut to `max` tokens.
+fn embed_text<B: Backend>(p: &Pipeline<B>, text: &str, max: usize, keep: Keep) -> Result<Vec<f32>> {
+    let mut ids = p.tokenizer.encode(text)?;
+    if ids.len() > max {
+        ids = match keep {
+            Keep::First => ids[..max].to_vec(),
+            Keep::Last => ids[ids.len() - max..].to_vec(),
+        };
+    }
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    p.backend.download(&p.model.text.embed(&p.backend, &ids)?)
+}
+
+/// Runs the ScopeMem step on `prompt` (the actor's prompt with its generation prompt).
+///
+/// `task` is the instruction, `history` the completed steps' action lines (oldest first).
+#[allow(clippy::too_many_arguments)]
+pub fn scopemem_step<B: Backend>(
+    p: &Pipeline<B>,
+    engine: &mut Engine<'_, B>,
+    encoder: &ScopeMemEncoder,
+    prompt: &Prompt,
+    task: &str,
+    history: &[String],
+    platform: Platform,
+    cfg: &ScopeMemConfig,
+) -> Result<Opinions> {
+    let (first, _, _) = generate(p, engine, prompt, cfg.max_tokens, Vec::new())?;
+    let first_text = first.text.clone().unwrap_or_default();
+    let p0 = action_type_distribution(p, engine, prompt, &first_text, platform)?;
+    let recent: Vec<&String> = history
+        .iter()
+        .rev()
+        .take(3)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+        .collect();
+    let n = history.len();
+    let summary: Vec<String> = recent
+        .iter()
+        .enumerate()
+        .map(|(i, l)| format!("Step{}: {l}", n - recent.len() + i + 1))
+        .collect();
+    let actions: Vec<String> = history
+        .iter()
+        .rev()
+        .take(5)
+        .rev()
+        .map(|h| {
+            parse_response(h, platform)
+                .map(|a| a.name().to_string())
+                .unwrap_or_else(|_| h.clone())
+        })
+        .collect();
+    // Fields longer than the encoder's positions keep their start (a0, task) or their end (the
+    // summary and the recent actions, whose newest part matters most).
+    let max = encoder.config().max_positions;
+    let inputs = EncoderInputs {
+        first_opinion: embed_text(p, &first_text, max, Keep::First)?,
+        task: embed_text(p, task, max, Keep::First)?,
+        summary: embed_text(p, &summary.join("\n"), max, Keep::Last)?,
+        recent_actions: embed_text(p, &actions.join(", "), max, Keep::Last)?,
+        p0,
+    };
+    let prefix = encoder.forward(&inputs)?;
+    let second_prompt = with_prefix(p, prompt, prefix, cfg.placement)?;
+    let draft = if cfg.draft {
+        first.tokens.clone()
+    } else {
+        Vec::new()
+    };
+    let (second, forwards, accepted) = generate(p, engine, &second_prompt, cfg.max_tokens, draft)?;
+    Ok(Opinions {
+        first: first_text,
+        p0,
+        h0: action_type_entropy(&p0),
+        second: second.text.unwrap_or_default(),
+        second_pass_forwards: forwards,
+        accepted_draft: accepted,
+    })
+}
+
+/// `prompt` with the prefix vectors `[16 · hidden]` placed as an embedding run.
+pub fn with_prefix<B: Backend>(
+    p: &Pipeline<B>,
+    prompt: &Prompt,
+    prefix: Vec<f32>,
+    placement: Placement,
+) -> Result<Prompt> {
+    let hidden = p.model.text.config().hidden_size;
+    let rows = prefix.len() / hidden.max(1);
+    let bytes: Vec<u8> = prefix.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let run = Segment::Embeds {
+        hash: xxhash_rust::xxh64::xxh64(&bytes, 0x5c0e),
+        rows,
+        data: prefix,
+    };
+    let mut segments = prompt.segments.clone();
+    match placement {
+        Placement::Prepend => segments.insert(0, run),
+        Placement::Append => {
+            let turn = p.tokenizer.encode("<|im_start|>assistant\n")?;
+            let Some(Segment::Text(last)) = segments.last_mut() else {
+                return Err(Error::InvalidRequest(
+                    "the prompt does not end with a text run".into(),
+                ));
+            };
+            if !last.ends_with(&turn) {
+                return Err(Error::InvalidRequest(
+                    "the prompt does not end with the assistant turn".into(),
+                ));
+            }
+            let tail = last.split_off(last.len() - turn.len());
+            segments.push(run);
+            segments.push(Segment::Text(tail));
+        }
+    }
+    Ok(Prompt { segments })
+}
+
+/// The actor's prompt for a dataset step: the GUI-Owl protocol with the step's history folded, its
+/// earlier screenshots shown for the most recent steps, and the current screenshot last.
+pub fn dataset_prompt<B: Backend>(
+    p: &Pipeline<B>,
+    engine: &mut Engine<'_, B>,
+    step: &EvalStep,
+    platform: Platform,
+) -> Result<Prompt> {
+    let (current, earlier) = step
+        .screenshots
+        .split_last()
+        .ok_or_else(|| Error::InvalidRequest(format!("line {}: no screenshot", step.line)))?;
+    let shown = earlier.len().min(step.history.len());
+    let first_shown = step.history.len() - shown;
+    let completed: Vec<StepRecord> = step
+        .history
+        .iter()
+        .enumerate()
+        .map(|(i, h)| {
+            let shot = if i >= first_shown {
+                earlier[earlier.len() - shown + i - first_shown].clone()
+            } else {
+                current.clone()
+            };
+            let mut r = StepRecord::new(shot, h.clone());
+            if !h.contains("<tool_call>") {
+                r.action_line = Some(h.clone());
+            }
+            r
+        })
+        .collect();
+    let allocation: Vec<usize> = (first_shown + 1..=step.history.len()).collect();
+    let messages = render(
+        Protocol::for_platform(platform),
+        &step.instruction,
+        &completed,
+        &allocation,
+        current,
+    )?;
+    p.chat_prompt(engine, &messages, true)
+}
+
+/// One evaluated dataset step: what the metrics need, and the ScopeMem details when it ran.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DatasetResult {
+    pub outcome: crate::agent::eval::StepOutcome,
+    pub opinions: Option<Opinions>,
+}
+
+/// Runs the actor (and, with an encoder, ScopeMem's second opinion) on every step of `dataset` —
+/// or only on the steps whose 1-based file line is in `lines` — with progress shown. Without an
+/// encoder the second opinion is the first.
+pub fn run_dataset<B: Backend>(
+    p: &Pipeline<B>,
+    engine: &mut Engine<'_, B>,
+    encoder: Option<&ScopeMemEncoder>,
+    dataset: &crate::agent::dataset::StepDataset,
+    lines: Option<&[usize]>,
+    cfg: &ScopeMemConfig,
+) -> Result<Vec<DatasetResult>> {
+    let steps: Vec<&EvalStep> = dataset
+        .steps
+        .iter()
+        .filter(|s| lines.is_none_or(|l| l.contains(&s.line)))
+        .collect();
+    if steps.is_empty() {
+        return Err(Error::InvalidRequest(format!(
+            "{}: no step selected",
+            dataset.path.display()
+        )));
+    }
+    let bar = indicatif::ProgressBar::new(steps.len() as u64).with_style(
+        indicatif::ProgressStyle::with_template("evaluating {bar:30} {pos}/{len} steps")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let mut out = Vec::with_capacity(steps.len());
+    for step in steps {
+        let prompt = dataset_prompt(p, engine, step, dataset.platform)?;
+        let (first, second, opinions) = match encoder {
+            Some(enc) => {
+                let o = scopemem_step(
+                    p,
+                    engine,
+                    enc,
+                    &prompt,
+                    &step.instruction,
+                    &step.history,
+                    dataset.platform,
+                    cfg,
+                )?;
+                (o.first.clone(), o.second.clone(), Some(o))
+            }
+            None => {
+                let (g, _, _) = generate(p, engine, &prompt, cfg.max_tokens, Vec::new())?;
+                let text = g.text.unwrap_or_default();
+                (text.clone(), text, None)
+            }
+        };
+        out.push(DatasetResult {
+            outcome: crate::agent::eval::StepOutcome {
+                episode: step.episode.clone(),
+                step: step.step,
+                subset: step.subset.clone(),
+                reference: step.reference.clone(),
+                first,
+                second,
+                target_box: step.target_box,
+            },
+            opinions,
+        });
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    Ok(out)
+}
