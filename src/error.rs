@@ -59,6 +59,11 @@ pub enum Error {
     #[error("prompt of {tokens} tokens exceeds the limit of {limit} tokens by {}", tokens - limit)]
     PromptTooLong { tokens: usize, limit: usize },
 
+    /// The CUDA environment is unusable: a library, symbol, header or device is missing, or a driver
+    /// call failed.
+    #[error("CUDA: {0}")]
+    Cuda(String),
+
     /// A request is invalid (empty prompt, token id out of range, ...).
     #[error("invalid request: {0}")]
     InvalidRequest(String),

@@ -22,7 +22,7 @@ pub const ENV_CUDA_INCLUDE: &str = "RECALL_CUDA_INCLUDE";
 
 /// The error every CUDA failure turns into.
 pub(crate) fn cuda_err(msg: impl std::fmt::Display) -> Error {
-    Error::InvalidRequest(format!("CUDA: {msg}"))
+    Error::Cuda(msg.to_string())
 }
 
 /// Roots of CUDA installations: `$CUDA_HOME`, `$CUDA_PATH`, `/usr/local/cuda`, `/usr/local/cuda-13*`.
