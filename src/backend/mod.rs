@@ -8,6 +8,7 @@
 //! Contract that makes prefix reuse exact: the result for one row never depends on how many other rows
 //! were computed in the same call (reductions run in a fixed order per row).
 
+mod check;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
+use super::check::{self, shape_err};
 use super::{AttnShape, Backend, Gelu, PagedSeq};
 use crate::error::{Error, Result};
 use crate::model::loader::{Dtype, MappedFile, TensorRef};
@@ -114,10 +115,6 @@ impl CpuBackend {
         }
         Ok(())
     }
-}
-
-fn shape_err(op: &str, msg: String) -> Error {
-    Error::InvalidRequest(format!("{op}: {msg}"))
 }
 
 impl Backend for CpuBackend {
@@ -301,34 +298,7 @@ impl Backend for CpuBackend {
         s: AttnShape,
         seqs: &[PagedSeq<'_>],
     ) -> Result<CpuTensor> {
-        let rows: usize = seqs.iter().map(|x| x.rows).sum();
-        let ok = s.kv_heads > 0
-            && s.block_size > 0
-            && s.q_heads % s.kv_heads == 0
-            && q.cols == s.q_heads * s.head_dim
-            && k.cols == s.kv_heads * s.head_dim
-            && (k.rows, k.cols) == (v.rows, v.cols)
-            && rows == q.rows
-            && seqs.iter().all(|x| {
-                x.rows <= x.context_len
-                    && x.block_table.len() * s.block_size >= x.context_len
-                    && x.block_table
-                        .iter()
-                        .all(|&b| (b as usize + 1) * s.block_size <= k.rows)
-            });
-        if !ok {
-            return Err(shape_err(
-                "paged_attention",
-                format!(
-                    "q [{}, {}], pool [{}, {}], {s:?}, {} sequences",
-                    q.rows,
-                    q.cols,
-                    k.rows,
-                    k.cols,
-                    seqs.len()
-                ),
-            ));
-        }
+        check::paged_attention((q.rows, q.cols), (k.rows, k.cols), (v.rows, v.cols), s, seqs)?;
         Ok(ops::paged_attention(q, k, v, s, seqs))
     }
 
@@ -424,19 +394,7 @@ impl Backend for CpuBackend {
         src: &CpuTensor,
         accumulate: bool,
     ) -> Result<()> {
-        if src.cols != dst.cols || src.rows != index.len() || index.iter().any(|&i| i >= dst.rows) {
-            return Err(shape_err(
-                "scatter_rows",
-                format!(
-                    "[{}, {}] at {} rows into [{}, {}]",
-                    src.rows,
-                    src.cols,
-                    index.len(),
-                    dst.rows,
-                    dst.cols
-                ),
-            ));
-        }
+        check::scatter_rows((dst.rows, dst.cols), index, (src.rows, src.cols))?;
         let c = dst.cols;
         for (r, &i) in index.iter().enumerate() {
             let (d, s) = (&mut dst.data[i * c..(i + 1) * c], &src.data[r * c..(r + 1) * c]);

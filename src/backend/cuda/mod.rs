@@ -30,6 +30,7 @@ pub use kernels::{compile_all, KernelSource, SOURCES};
 use libs::cuda_err;
 use params::*;
 
+use super::check::{self, shape_err};
 use super::{AttnShape, Backend, Gelu, PagedSeq};
 use crate::error::{Error, Result};
 use crate::model::loader::{Dtype, TensorRef};
@@ -84,10 +85,6 @@ impl std::fmt::Debug for CudaBackend {
             .field("arch", &self.arch)
             .finish()
     }
-}
-
-fn shape_err(op: &str, msg: String) -> Error {
-    Error::InvalidRequest(format!("{op}: {msg}"))
 }
 
 fn to_i32(op: &str, v: usize) -> Result<i32> {
@@ -580,34 +577,12 @@ impl Backend for CudaBackend {
         s: AttnShape,
         seqs: &[PagedSeq<'_>],
     ) -> Result<CudaTensor> {
-        let rows: usize = seqs.iter().map(|x| x.rows).sum();
-        let ok = s.kv_heads > 0
-            && s.block_size > 0
-            && s.head_dim > 0
-            && s.head_dim <= MAX_HEAD_DIM
-            && s.q_heads % s.kv_heads == 0
-            && q.cols == s.q_heads * s.head_dim
-            && k.cols == s.kv_heads * s.head_dim
-            && (k.rows, k.cols) == (v.rows, v.cols)
-            && rows == q.rows
-            && seqs.iter().all(|x| {
-                x.rows <= x.context_len
-                    && x.block_table.len() * s.block_size >= x.context_len
-                    && x.block_table
-                        .iter()
-                        .all(|&b| (b as usize + 1) * s.block_size <= k.rows)
-            });
-        if !ok {
+        check::paged_attention((q.rows, q.cols), (k.rows, k.cols), (v.rows, v.cols), s, seqs)?;
+        let rows = q.rows;
+        if s.head_dim == 0 || s.head_dim > MAX_HEAD_DIM {
             return Err(shape_err(
                 "paged_attention",
-                format!(
-                    "q [{}, {}], pool [{}, {}], {s:?}, {} sequences (head_dim at most {MAX_HEAD_DIM})",
-                    q.rows,
-                    q.cols,
-                    k.rows,
-                    k.cols,
-                    seqs.len()
-                ),
+                format!("head_dim {} (at most {MAX_HEAD_DIM})", s.head_dim),
             ));
         }
         let out = self.alloc_tensor(q.rows, q.cols)?;
@@ -798,19 +773,7 @@ impl Backend for CudaBackend {
         src: &CudaTensor,
         accumulate: bool,
     ) -> Result<()> {
-        if src.cols != dst.cols || src.rows != index.len() || index.iter().any(|&i| i >= dst.rows) {
-            return Err(shape_err(
-                "scatter_rows",
-                format!(
-                    "[{}, {}] at {} rows into [{}, {}]",
-                    src.rows,
-                    src.cols,
-                    index.len(),
-                    dst.rows,
-                    dst.cols
-                ),
-            ));
-        }
+        check::scatter_rows((dst.rows, dst.cols), index, (src.rows, src.cols))?;
         if index.is_empty() || dst.cols == 0 {
             return Ok(());
         }

@@ -1,0 +1,70 @@
+//! Argument checks shared by every backend: each op validates its shapes here, before any work (and,
+//! on devices, before any `unsafe` launch), so that all backends reject the same inputs with the same
+//! messages.
+
+use super::{AttnShape, PagedSeq};
+use crate::error::{Error, Result};
+
+/// The error of a malformed op call.
+pub(crate) fn shape_err(op: &str, msg: String) -> Error {
+    Error::InvalidRequest(format!("{op}: {msg}"))
+}
+
+/// `paged_attention`: q `[Σ rows, q_heads · d]`, pools `[slots, kv_heads · d]`, and every sequence's
+/// block table inside the pool and long enough for its context.
+pub(crate) fn paged_attention(
+    q: (usize, usize),
+    k: (usize, usize),
+    v: (usize, usize),
+    s: AttnShape,
+    seqs: &[PagedSeq<'_>],
+) -> Result<()> {
+    let rows: usize = seqs.iter().map(|x| x.rows).sum();
+    let ok = s.kv_heads > 0
+        && s.block_size > 0
+        && s.q_heads % s.kv_heads == 0
+        && q.1 == s.q_heads * s.head_dim
+        && k.1 == s.kv_heads * s.head_dim
+        && k == v
+        && rows == q.0
+        && seqs.iter().all(|x| {
+            x.rows <= x.context_len
+                && x.block_table.len() * s.block_size >= x.context_len
+                && x.block_table
+                    .iter()
+                    .all(|&b| (b as usize + 1) * s.block_size <= k.0)
+        });
+    if ok {
+        Ok(())
+    } else {
+        Err(shape_err(
+            "paged_attention",
+            format!(
+                "q [{}, {}], pool [{}, {}], {s:?}, {} sequences",
+                q.0,
+                q.1,
+                k.0,
+                k.1,
+                seqs.len()
+            ),
+        ))
+    }
+}
+
+/// `scatter_rows`: `src [index.len(), cols]` into rows of `dst [rows, cols]` that exist.
+pub(crate) fn scatter_rows(dst: (usize, usize), index: &[usize], src: (usize, usize)) -> Result<()> {
+    if src.1 != dst.1 || src.0 != index.len() || index.iter().any(|&i| i >= dst.0) {
+        return Err(shape_err(
+            "scatter_rows",
+            format!(
+                "[{}, {}] at {} rows into [{}, {}]",
+                src.0,
+                src.1,
+                index.len(),
+                dst.0,
+                dst.1
+            ),
+        ));
+    }
+    Ok(())
+}
