@@ -488,3 +488,40 @@ fn drafted_generation_is_exactly_plain_generation() {
         }
     }
 }
+
+#[test]
+fn stop_strings_end_generation_in_both_paths() {
+    let f = setup();
+    let mut rng = fastrand::Rng::with_seed(9);
+    let prompt = Prompt {
+        segments: vec![Segment::Text(random_text(&mut rng, 20, 30))],
+    };
+    let reference = run_one(&mut f.engine(unchunked()), &prompt, 8).0;
+    let stop = f.p.tokenizer.decode(&reference[..3]).unwrap();
+    let params = GenerateParams {
+        max_tokens: 8,
+        eos_token_ids: vec![],
+        stop_strings: vec![stop.clone()],
+    };
+    let mut e = f.engine(unchunked());
+    let got = e.generate(&prompt, &params).unwrap();
+    assert_eq!(got.finish, recall::engine::FinishReason::Stop(stop.clone()));
+    assert!(
+        got.tokens.len() <= 3 && reference.starts_with(&got.tokens),
+        "{:?} vs {reference:?}",
+        got.tokens
+    );
+    // The single-sequence reference path stops at the same token.
+    let Segment::Text(ids) = &prompt.segments[0] else {
+        unreachable!()
+    };
+    let plain = recall::engine::generate(
+        &f.p.backend,
+        &f.p.model.text,
+        &recall::engine::PromptInput::text(ids),
+        &params,
+        Some(&f.p.tokenizer),
+    )
+    .unwrap();
+    assert_eq!((plain.tokens, plain.finish), (got.tokens, got.finish));
+}

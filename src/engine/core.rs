@@ -15,10 +15,11 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use crate::backend::Backend;
+use crate::engine::generate::finish_reason;
 use crate::engine::prompt::{FlatPrompt, ImageHash, ImageRole, Prompt, Segment};
 use crate::engine::sequence::{Injected, RequestId, Sequence, Task};
 use crate::engine::vision_cache::{VisionCache, VisionEntry};
-use crate::engine::{FinishReason, GenerateParams, Generation, Score};
+use crate::engine::{GenerateParams, Generation, Score};
 use crate::error::{Error, Result};
 use crate::kv::{KvBlockManager, KvStats, TokenKey};
 use crate::model::{AdapterMode, BatchItem, KvPool, LogitsFor, QwenVl, VisualFeatures};
@@ -701,16 +702,7 @@ impl<'m, B: Backend> Engine<'m, B> {
         };
         s.decision_logits.extend(logits_row);
         s.generated.push(next);
-        let finish = if params.eos_token_ids.contains(&next) {
-            Some(FinishReason::Eos)
-        } else if let Some(stop) = stop_string(tokenizer, &s.generated, params)? {
-            Some(FinishReason::Stop(stop))
-        } else if s.generated.len() >= params.max_tokens {
-            Some(FinishReason::Length)
-        } else {
-            None
-        };
-        if let Some(finish) = finish {
+        if let Some(finish) = finish_reason(params, &s.generated, tokenizer)? {
             let text = tokenizer.map(|t| t.decode(&s.generated)).transpose()?;
             return Ok(Some(Outcome::Generation(Generation {
                 tokens: s.generated.clone(),
@@ -875,21 +867,4 @@ fn score_of(logprobs: &[f32]) -> Score {
         sum_logprob: sum,
         mean_logprob: sum / logprobs.len().max(1) as f64,
     }
-}
-
-/// The first stop string the decoded output contains.
-fn stop_string(
-    tokenizer: Option<&Tokenizer>,
-    tokens: &[u32],
-    params: &GenerateParams,
-) -> Result<Option<String>> {
-    let Some(tok) = tokenizer.filter(|_| !params.stop_strings.is_empty()) else {
-        return Ok(None);
-    };
-    let text = tok.decode(tokens)?;
-    Ok(params
-        .stop_strings
-        .iter()
-        .find(|s| text.contains(s.as_str()))
-        .cloned())
 }

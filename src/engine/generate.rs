@@ -74,7 +74,7 @@ pub fn generate<B: Backend>(
     let mut cache = model.new_cache(be, needed)?;
     let mut tokens: Vec<u32> = Vec::new();
     let finish = loop {
-        if tokens.len() == params.max_tokens {
+        if params.max_tokens == 0 {
             break FinishReason::Length;
         }
         let out = match tokens.last() {
@@ -89,24 +89,30 @@ pub fn generate<B: Backend>(
                 model.forward(be, &[last], &pos, None, lora, &mut cache, LogitsFor::Last, false)?
             }
         };
-        let next = be.argmax(&out.logits)?[0];
-        tokens.push(next);
-        if params.eos_token_ids.contains(&next) {
-            break FinishReason::Eos;
-        }
-        if let Some(stop) = find_stop(tokenizer, &tokens, &params.stop_strings)? {
-            break FinishReason::Stop(stop);
+        tokens.push(be.argmax(&out.logits)?[0]);
+        if let Some(finish) = finish_reason(params, &tokens, tokenizer)? {
+            break finish;
         }
     };
     let text = tokenizer.map(|t| t.decode(&tokens)).transpose()?;
     Ok(Generation { tokens, text, finish })
 }
 
-/// The first stop string the decoded `tokens` contain.
-fn find_stop(tokenizer: Option<&Tokenizer>, tokens: &[u32], stops: &[String]) -> Result<Option<String>> {
-    let Some(tok) = tokenizer.filter(|_| !stops.is_empty()) else {
-        return Ok(None);
-    };
-    let text = tok.decode(tokens)?;
-    Ok(stops.iter().find(|s| text.contains(s.as_str())).cloned())
+/// Why generation ends with the last of `tokens` (just produced), if it does: an end-of-sequence
+/// id, then a stop string in the decoded output, then the token limit.
+pub(crate) fn finish_reason(
+    params: &GenerateParams,
+    tokens: &[u32],
+    tokenizer: Option<&Tokenizer>,
+) -> Result<Option<FinishReason>> {
+    if tokens.last().is_some_and(|t| params.eos_token_ids.contains(t)) {
+        return Ok(Some(FinishReason::Eos));
+    }
+    if let Some(tok) = tokenizer.filter(|_| !params.stop_strings.is_empty()) {
+        let text = tok.decode(tokens)?;
+        if let Some(stop) = params.stop_strings.iter().find(|s| text.contains(s.as_str())) {
+            return Ok(Some(FinishReason::Stop(stop.clone())));
+        }
+    }
+    Ok((tokens.len() >= params.max_tokens).then_some(FinishReason::Length))
 }
