@@ -68,3 +68,76 @@ pub(crate) fn scatter_rows(dst: (usize, usize), index: &[usize], src: (usize, us
     }
     Ok(())
 }
+
+/// `linear`: a 2-D weight `[out, in]` matching the input's columns, and a bias of `out` values.
+/// Returns `out`.
+pub(crate) fn linear(x_cols: usize, w_shape: &[usize], bias_shape: Option<&[usize]>) -> Result<usize> {
+    let (out, inner) = match w_shape {
+        [o, i] => (*o, *i),
+        _ => return Err(shape_err("linear", format!("weight of shape {w_shape:?}"))),
+    };
+    if x_cols != inner {
+        return Err(shape_err(
+            "linear",
+            format!("input has {x_cols} columns, weight {w_shape:?}"),
+        ));
+    }
+    if let Some(b) = bias_shape.filter(|b| b.iter().product::<usize>() != out) {
+        return Err(shape_err(
+            "linear",
+            format!("bias of shape {b:?} for {out} outputs"),
+        ));
+    }
+    Ok(out)
+}
+
+/// `attention_segments`: q, k, v of one shape, heads dividing the columns, and `cu_seqlens` rising
+/// from 0 to the row count.
+pub(crate) fn attention_segments(
+    q: (usize, usize),
+    k: (usize, usize),
+    v: (usize, usize),
+    heads: usize,
+    cu_seqlens: &[usize],
+) -> Result<()> {
+    let monotone = cu_seqlens.windows(2).all(|w| w[0] <= w[1]);
+    if q != k
+        || q != v
+        || heads == 0
+        || q.1 % heads != 0
+        || cu_seqlens.first() != Some(&0)
+        || cu_seqlens.last() != Some(&q.0)
+        || !monotone
+    {
+        return Err(shape_err(
+            "attention_segments",
+            format!(
+                "q [{}, {}], k {k:?}, v {v:?}, {heads} heads, cu_seqlens {cu_seqlens:?}",
+                q.0, q.1
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// `reshape`: the element count is kept.
+pub(crate) fn reshape(from: (usize, usize), rows: usize, cols: usize) -> Result<()> {
+    if rows * cols != from.0 * from.1 {
+        return Err(shape_err(
+            "reshape",
+            format!("[{}, {}] to [{rows}, {cols}]", from.0, from.1),
+        ));
+    }
+    Ok(())
+}
+
+/// Elementwise ops: both operands have one shape.
+pub(crate) fn same(op: &str, a: (usize, usize), b: (usize, usize)) -> Result<()> {
+    if a != b {
+        return Err(shape_err(
+            op,
+            format!("shapes [{}, {}] and [{}, {}] differ", a.0, a.1, b.0, b.1),
+        ));
+    }
+    Ok(())
+}

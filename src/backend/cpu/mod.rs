@@ -105,18 +105,6 @@ impl CpuWeight {
 #[derive(Debug, Default, Clone, Copy)]
 pub struct CpuBackend;
 
-impl CpuBackend {
-    fn check_same(&self, op: &str, a: &CpuTensor, b: &CpuTensor) -> Result<()> {
-        if (a.rows, a.cols) != (b.rows, b.cols) {
-            return Err(Error::InvalidRequest(format!(
-                "{op}: shapes [{}, {}] and [{}, {}] differ",
-                a.rows, a.cols, b.rows, b.cols
-            )));
-        }
-        Ok(())
-    }
-}
-
 impl Backend for CpuBackend {
     type Tensor = CpuTensor;
     type Weight = CpuWeight;
@@ -212,24 +200,7 @@ impl Backend for CpuBackend {
     }
 
     fn linear(&self, x: &CpuTensor, w: &CpuWeight, bias: Option<&CpuWeight>) -> Result<CpuTensor> {
-        let (out, inner) = match w.shape[..] {
-            [o, i] => (o, i),
-            _ => return Err(shape_err("linear", format!("weight of shape {:?}", w.shape))),
-        };
-        if x.cols != inner {
-            return Err(shape_err(
-                "linear",
-                format!("input has {} columns, weight {:?}", x.cols, w.shape),
-            ));
-        }
-        if let Some(b) = bias {
-            if b.len() != out {
-                return Err(shape_err(
-                    "linear",
-                    format!("bias of shape {:?} for {out} outputs", b.shape),
-                ));
-            }
-        }
+        check::linear(x.cols, &w.shape, bias.map(|b| &b.shape[..]))?;
         Ok(ops::linear(x, w, bias))
     }
 
@@ -257,14 +228,14 @@ impl Backend for CpuBackend {
     }
 
     fn add(&self, a: &CpuTensor, b: &CpuTensor) -> Result<CpuTensor> {
-        self.check_same("add", a, b)?;
+        check::same("add", (a.rows, a.cols), (b.rows, b.cols))?;
         let mut out = a.clone();
         out.data.iter_mut().zip(&b.data).for_each(|(o, b)| *o += b);
         Ok(out)
     }
 
     fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> Result<CpuTensor> {
-        self.check_same("silu_mul", gate, up)?;
+        check::same("silu_mul", (gate.rows, gate.cols), (up.rows, up.cols))?;
         let mut out = gate.clone();
         out.data
             .par_iter_mut()
@@ -274,7 +245,7 @@ impl Backend for CpuBackend {
     }
 
     fn rope(&self, x: &CpuTensor, cos: &CpuTensor, sin: &CpuTensor) -> Result<CpuTensor> {
-        self.check_same("rope", cos, sin)?;
+        check::same("rope", (cos.rows, cos.cols), (sin.rows, sin.cols))?;
         let d = cos.cols;
         if cos.rows != x.rows || d == 0 || d % 2 != 0 || x.cols % d != 0 {
             return Err(shape_err(
@@ -338,33 +309,18 @@ impl Backend for CpuBackend {
         heads: usize,
         cu_seqlens: &[usize],
     ) -> Result<CpuTensor> {
-        self.check_same("attention_segments", q, k)?;
-        self.check_same("attention_segments", q, v)?;
-        let monotone = cu_seqlens.windows(2).all(|w| w[0] <= w[1]);
-        if heads == 0
-            || q.cols % heads != 0
-            || cu_seqlens.first() != Some(&0)
-            || cu_seqlens.last() != Some(&q.rows)
-            || !monotone
-        {
-            return Err(shape_err(
-                "attention_segments",
-                format!(
-                    "q [{}, {}], {heads} heads, cu_seqlens {cu_seqlens:?}",
-                    q.rows, q.cols
-                ),
-            ));
-        }
+        check::attention_segments(
+            (q.rows, q.cols),
+            (k.rows, k.cols),
+            (v.rows, v.cols),
+            heads,
+            cu_seqlens,
+        )?;
         Ok(ops::attention_segments(q, k, v, heads, cu_seqlens))
     }
 
     fn reshape(&self, x: CpuTensor, rows: usize, cols: usize) -> Result<CpuTensor> {
-        if rows * cols != x.data.len() {
-            return Err(shape_err(
-                "reshape",
-                format!("[{}, {}] to [{rows}, {cols}]", x.rows, x.cols),
-            ));
-        }
+        check::reshape((x.rows, x.cols), rows, cols)?;
         Ok(CpuTensor {
             data: x.data,
             rows,

@@ -205,23 +205,10 @@ impl CudaBackend {
         weight: &CudaWeight,
         eps: f32,
     ) -> Result<(CudaTensor, CudaTensor)> {
-        self.check_same("add_rms_norm", x, residual)?;
+        check::same("add_rms_norm", (x.rows, x.cols), (residual.rows, residual.cols))?;
         let sum = self.alloc_tensor(x.rows, x.cols)?;
         let out = self.rms_norm_impl(x, Some((residual, &sum)), weight, eps)?;
         Ok((sum, out))
-    }
-
-    fn check_same(&self, op: &str, a: &CudaTensor, b: &CudaTensor) -> Result<()> {
-        if (a.rows, a.cols) != (b.rows, b.cols) {
-            return Err(shape_err(
-                op,
-                format!(
-                    "shapes [{}, {}] and [{}, {}] differ",
-                    a.rows, a.cols, b.rows, b.cols
-                ),
-            ));
-        }
-        Ok(())
     }
 
     fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
@@ -317,7 +304,7 @@ impl CudaBackend {
     }
 
     fn binary(&self, name: &str, a: &CudaTensor, b: &CudaTensor) -> Result<CudaTensor> {
-        self.check_same(name, a, b)?;
+        check::same(name, (a.rows, a.cols), (b.rows, b.cols))?;
         let n = a.rows * a.cols;
         let out = self.alloc_tensor(a.rows, a.cols)?;
         if n > 0 {
@@ -487,24 +474,8 @@ impl Backend for CudaBackend {
     }
 
     fn linear(&self, x: &CudaTensor, w: &CudaWeight, bias: Option<&CudaWeight>) -> Result<CudaTensor> {
-        let (out, inner) = match w.shape[..] {
-            [o, i] => (o, i),
-            _ => return Err(shape_err("linear", format!("weight of shape {:?}", w.shape))),
-        };
-        if x.cols != inner {
-            return Err(shape_err(
-                "linear",
-                format!("input has {} columns, weight {:?}", x.cols, w.shape),
-            ));
-        }
-        if let Some(b) = bias {
-            if b.len() != out {
-                return Err(shape_err(
-                    "linear",
-                    format!("bias of shape {:?} for {out} outputs", b.shape),
-                ));
-            }
-        }
+        let out = check::linear(x.cols, &w.shape, bias.map(|b| &b.shape[..]))?;
+        let inner = x.cols;
         let y = self.alloc_tensor(x.rows, out)?;
         if x.rows == 0 || out == 0 {
             return Ok(y);
@@ -543,7 +514,7 @@ impl Backend for CudaBackend {
     }
 
     fn rope(&self, x: &CudaTensor, cos: &CudaTensor, sin: &CudaTensor) -> Result<CudaTensor> {
-        self.check_same("rope", cos, sin)?;
+        check::same("rope", (cos.rows, cos.cols), (sin.rows, sin.cols))?;
         let d = cos.cols;
         if cos.rows != x.rows || d == 0 || d % 2 != 0 || x.cols % d != 0 {
             return Err(shape_err(
@@ -700,22 +671,17 @@ impl Backend for CudaBackend {
         heads: usize,
         cu_seqlens: &[usize],
     ) -> Result<CudaTensor> {
-        self.check_same("attention_segments", q, k)?;
-        self.check_same("attention_segments", q, v)?;
-        let monotone = cu_seqlens.windows(2).all(|w| w[0] <= w[1]);
-        if heads == 0
-            || q.cols % heads != 0
-            || q.cols / heads > MAX_HEAD_DIM
-            || cu_seqlens.first() != Some(&0)
-            || cu_seqlens.last() != Some(&q.rows)
-            || !monotone
-        {
+        check::attention_segments(
+            (q.rows, q.cols),
+            (k.rows, k.cols),
+            (v.rows, v.cols),
+            heads,
+            cu_seqlens,
+        )?;
+        if q.cols / heads > MAX_HEAD_DIM {
             return Err(shape_err(
                 "attention_segments",
-                format!(
-                    "q [{}, {}], {heads} heads, cu_seqlens {cu_seqlens:?} (head_dim at most {MAX_HEAD_DIM})",
-                    q.rows, q.cols
-                ),
+                format!("head_dim {} (at most {MAX_HEAD_DIM})", q.cols / heads),
             ));
         }
         let out = self.alloc_tensor(q.rows, q.cols)?;
@@ -748,12 +714,7 @@ impl Backend for CudaBackend {
     }
 
     fn reshape(&self, x: CudaTensor, rows: usize, cols: usize) -> Result<CudaTensor> {
-        if rows * cols != x.rows * x.cols {
-            return Err(shape_err(
-                "reshape",
-                format!("[{}, {}] to [{rows}, {cols}]", x.rows, x.cols),
-            ));
-        }
+        check::reshape((x.rows, x.cols), rows, cols)?;
         Ok(CudaTensor {
             buf: x.buf,
             rows,
