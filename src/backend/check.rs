@@ -141,3 +141,28 @@ pub(crate) fn same(op: &str, a: (usize, usize), b: (usize, usize)) -> Result<()>
     }
     Ok(())
 }
+
+/// `weighted_embedding`: `taps` index/weight pairs per output row, every index inside the table.
+pub(crate) fn weighted_embedding(
+    table_shape: &[usize],
+    indices: &[u32],
+    weights: &[f32],
+    taps: usize,
+) -> Result<()> {
+    let vocab = *table_shape.first().unwrap_or(&0);
+    if taps == 0
+        || indices.len() != weights.len()
+        || indices.len() % taps != 0
+        || indices.iter().any(|&i| i as usize >= vocab)
+    {
+        return Err(shape_err(
+            "weighted_embedding",
+            format!(
+                "{} indices, {} weights, {taps} taps, table {table_shape:?}",
+                indices.len(),
+                weights.len()
+            ),
+        ));
+    }
+    Ok(())
+}

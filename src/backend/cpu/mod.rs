@@ -370,22 +370,7 @@ impl Backend for CpuBackend {
         weights: &[f32],
         taps: usize,
     ) -> Result<CpuTensor> {
-        let vocab = table.shape[0];
-        if taps == 0
-            || indices.len() != weights.len()
-            || indices.len() % taps != 0
-            || indices.iter().any(|&i| i as usize >= vocab)
-        {
-            return Err(shape_err(
-                "weighted_embedding",
-                format!(
-                    "{} indices, {} weights, {taps} taps, table {:?}",
-                    indices.len(),
-                    weights.len(),
-                    table.shape
-                ),
-            ));
-        }
+        check::weighted_embedding(&table.shape, indices, weights, taps)?;
         let cols = table.row_len();
         let rows = indices.len() / taps;
         let mut data = vec![0f32; rows * cols];

@@ -770,22 +770,7 @@ impl Backend for CudaBackend {
         weights: &[f32],
         taps: usize,
     ) -> Result<CudaTensor> {
-        let vocab = *table.shape.first().unwrap_or(&0);
-        if taps == 0
-            || indices.len() != weights.len()
-            || indices.len() % taps != 0
-            || indices.iter().any(|&i| i as usize >= vocab)
-        {
-            return Err(shape_err(
-                "weighted_embedding",
-                format!(
-                    "{} indices, {} weights, {taps} taps, table {:?}",
-                    indices.len(),
-                    weights.len(),
-                    table.shape
-                ),
-            ));
-        }
+        check::weighted_embedding(&table.shape, indices, weights, taps)?;
         let cols = *table.shape.last().unwrap_or(&1);
         let rows = indices.len() / taps;
         let out = self.alloc_tensor(rows, cols)?;
