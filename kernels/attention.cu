@@ -6,7 +6,9 @@
 // four of the head's dimensions (d <= 128: 16/32 fixtures, 64/72/80 vision, 128 text), the running max
 // m, the running sum l and the unnormalised output in f32 registers; keys stream through in order with
 // one warp-shuffle dot product each (flash-style online softmax, no score matrix in memory).
-// Decode: the context is cut into `chunk`-key splits on grid.y, each writes (acc, m, l) in f32, and
+// Decode: each row cuts its context into ceil(visible / chunk) splits (at most `splits`, the grid.y;
+// from its own context only, so a row's result never depends on the others), each writes (acc, m, l)
+// in f32, and
 // attn_combine_v1 merges them (split-K). Prefill uses splits = 1 and writes bf16 directly.
 // Perf plan (v2): Q tiles of 64 rows x K/V tiles of 64 keys staged in shared memory (cp.async / TMA),
 // QK^T and PV on tensor cores (mma.sync bf16, then wgmma on sm_90a), causal tile skipping, and
@@ -30,8 +32,8 @@ struct PagedAttnParams {
     int kv_heads;
     int d;
     int block_size;
-    int splits;
-    int chunk;                  // keys per split
+    int splits;                 // grid.y: 1 (prefill: write bf16) or the most splits of any row
+    int chunk;                  // decode: target keys per split (a row uses ceil(visible / chunk) splits)
     float scale;
 };
 
@@ -114,8 +116,11 @@ extern "C" __global__ void paged_attention_v1(const PagedAttnParams p) {
     int r = item / p.q_heads, h = item % p.q_heads;
     int kvh = h / (p.q_heads / p.kv_heads);
     int visible = (int)p.row_visible[r];
-    int t0 = p.splits == 1 ? 0 : split * p.chunk;
-    int t1 = p.splits == 1 ? visible : min(visible, (split + 1) * p.chunk);
+    // Decode: this row's own split count and length, from its context only (row independence).
+    int row_splits = min(p.splits, max(1, (visible + p.chunk - 1) / p.chunk));
+    int len = (visible + row_splits - 1) / row_splits;
+    int t0 = p.splits == 1 ? 0 : min(visible, split * len);
+    int t1 = p.splits == 1 ? visible : min(visible, (split + 1) * len);
     PagedSlot slot{p.tables + p.seq_table_start[p.row_seq[r]], p.block_size};
     const bf16 *qp = p.q + (long long)r * p.q_heads * p.d + (long long)h * p.d;
     float m, l, acc[MAX_PER_LANE];

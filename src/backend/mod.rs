@@ -119,6 +119,86 @@ pub trait Backend: Send + Sync {
     fn log_softmax_gather(&self, logits: &Self::Tensor, targets: &[u32]) -> Result<Vec<f32>>;
     /// Per-row index of the maximum (the first one on ties, as `torch.argmax`).
     fn argmax(&self, logits: &Self::Tensor) -> Result<Vec<u32>>;
+
+    /// The residual add and the norm after it: `(x + residual, rms_norm(x + residual))`. The default
+    /// composes [`add`](Backend::add) and [`rms_norm`](Backend::rms_norm); a backend may fuse them,
+    /// bitwise equal to that composition.
+    fn add_rms_norm(
+        &self,
+        x: &Self::Tensor,
+        residual: &Self::Tensor,
+        weight: &Self::Weight,
+        eps: f32,
+    ) -> Result<(Self::Tensor, Self::Tensor)> {
+        let sum = self.add(x, residual)?;
+        let normed = self.rms_norm(&sum, weight, eps)?;
+        Ok((sum, normed))
+    }
+
+    /// The attention block's step between the projections and the attention itself, for `n` new rows:
+    /// per-head RMSNorm of `q` and `k` (when `norms` holds the `[head_dim]` q/k weights and eps, as in
+    /// Qwen3), rotary embedding of both with the per-row tables `cos, sin: [n, head_dim]`, and the
+    /// write of the rotated `k` and of `v` into rows `slots[i]` of the pools. Returns the rotated `q`.
+    ///
+    /// The default composes [`rms_norm`](Backend::rms_norm), [`rope`](Backend::rope) and
+    /// [`scatter_rows`](Backend::scatter_rows); a backend may fuse it into one kernel, with results
+    /// bitwise equal to that composition on the same backend.
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm_rope_write(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        norms: Option<(&Self::Weight, &Self::Weight, f32)>,
+        (cos, sin): (&Self::Tensor, &Self::Tensor),
+        (k_pool, v_pool): (&mut Self::Tensor, &mut Self::Tensor),
+        slots: &[usize],
+    ) -> Result<Self::Tensor> {
+        let rotate = |x: &Self::Tensor, norm: Option<(&Self::Weight, f32)>| match norm {
+            Some((w, eps)) => self.rope(&self.rms_norm(x, w, eps)?, cos, sin),
+            None => self.rope(x, cos, sin),
+        };
+        let q = rotate(q, norms.map(|(qn, _, eps)| (qn, eps)))?;
+        let k = rotate(k, norms.map(|(_, kn, eps)| (kn, eps)))?;
+        self.scatter_rows(k_pool, slots, &k, false)?;
+        self.scatter_rows(v_pool, slots, v, false)?;
+        Ok(q)
+    }
+
+    /// Runs `f`, one forward step of shape `key`. A backend may record the device work of the first
+    /// such step and replay it for later steps of the same key (CUDA graphs), calling `f` again only to
+    /// recompute the host-side inputs. The default just calls `f`.
+    ///
+    /// Contract for `f`: its device work depends on `key` and on data the backend stages itself (token
+    /// ids, positions, block tables), never on values read back from the device; tensors it returns are
+    /// valid until the next `run_step`. A backend replays only when every launch matches the recording
+    /// and falls back to running `f` directly otherwise, so results never depend on whether it replayed.
+    fn run_step<R>(&self, key: StepKey, f: &mut dyn FnMut() -> Result<R>) -> Result<R> {
+        let _ = key;
+        f()
+    }
+
+    /// Turns step recording/replay (see [`run_step`](Backend::run_step)) on or off; off by default
+    /// where unsupported.
+    fn set_step_replay(&self, on: bool) {
+        let _ = on;
+    }
+
+    /// Counts of recorded, replayed and directly run steps so far.
+    fn step_stats(&self) -> StepStats {
+        StepStats::default()
+    }
+
+    /// Starts (or stops) timing every op; [`take_profile`](Backend::take_profile) returns the totals.
+    fn set_profiling(&self, on: bool) {
+        let _ = on;
+    }
+
+    /// Per-op totals since profiling was switched on (or since the last call), slowest first; resets
+    /// them. Empty when the backend does not profile.
+    fn take_profile(&self) -> Result<Vec<OpTime>> {
+        Ok(Vec::new())
+    }
 }
 
 /// The two GELU variants of the Qwen-VL vision towers.
@@ -149,4 +229,35 @@ pub struct PagedSeq<'a> {
     pub context_len: usize,
     /// Pool blocks holding the sequence's tokens, in order.
     pub block_table: &'a [u32],
+}
+
+/// Time spent in one op (or kernel) while profiling.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OpTime {
+    /// Op or kernel name, e.g. `linear`, `paged_attention_v1`.
+    pub op: String,
+    /// How many times it ran.
+    pub calls: usize,
+    /// Total seconds.
+    pub seconds: f64,
+}
+
+/// What identifies a replayable forward step: the number of rows and a caller tag (e.g. the model).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct StepKey {
+    /// Rows in the step (sequences of a pure decode step).
+    pub rows: usize,
+    /// Distinguishes callers whose steps have the same row count but different work.
+    pub tag: u64,
+}
+
+/// Counters of [`Backend::run_step`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepStats {
+    /// Steps recorded (e.g. CUDA graph captures).
+    pub recorded: usize,
+    /// Steps replayed from a recording.
+    pub replayed: usize,
+    /// Steps run directly (replay off, unsupported, or the recording did not match).
+    pub direct: usize,
 }

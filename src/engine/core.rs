@@ -14,7 +14,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, StepKey};
 use crate::engine::generate::finish_reason;
 use crate::engine::prompt::{FlatPrompt, ImageHash, ImageRole, Prompt, Segment};
 use crate::engine::sequence::{Injected, RequestId, Sequence, Task};
@@ -101,6 +101,9 @@ pub struct EngineOutput {
 }
 
 /// One sequence's share of a step.
+/// Largest decode batch recorded as one replayable step (one recording per batch size).
+const MAX_REPLAY_ROWS: usize = 64;
+
 struct Work {
     seq: usize, // index into `running`
     start: usize,
@@ -566,11 +569,27 @@ impl<'m, B: Backend> Engine<'m, B> {
             })
             .collect();
         self.forwards += 1;
-        Ok(self
-            .model
-            .text
-            .forward_batch(self.be, &items, &mut self.pool, false)?
-            .logits)
+        let (be, text, pool) = (self.be, &self.model.text, &mut self.pool);
+        let mut forward = || Ok(text.forward_batch(be, &items, pool, false)?.logits);
+        // Pure decode steps (one new token per sequence, no images, no adapter rows) have the same
+        // device work step after step: the backend may record and replay them (CUDA graphs).
+        let decode = work.len() <= MAX_REPLAY_ROWS
+            && items
+                .iter()
+                .all(|it| it.ids.len() == 1 && it.visual.is_empty() && it.lora_rows.is_empty());
+        if decode {
+            let logits_mask = items
+                .iter()
+                .enumerate()
+                .fold(0u64, |m, (i, it)| m | (u64::from(it.logits.is_some()) << i));
+            let key = StepKey {
+                rows: work.len(),
+                tag: logits_mask,
+            };
+            be.run_step(key, &mut forward)
+        } else {
+            forward()
+        }
     }
 
     fn postprocess(

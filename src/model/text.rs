@@ -462,7 +462,7 @@ impl<B: Backend> TextModel<B> {
         let eps = self.cfg.rms_norm_eps;
         let attn = &layer.self_attn;
         let h = be.rms_norm(&x, &layer.input_layernorm, eps)?;
-        let mut q = attn.q_proj.forward(be, &h)?;
+        let q = attn.q_proj.forward(be, &h)?;
         let mut k = attn.k_proj.forward(be, &h)?;
         let mut v = attn.v_proj.forward(be, &h)?;
         // HGKV: the adapter touches only its rows; with none, its code does not run (exact bypass).
@@ -475,14 +475,12 @@ impl<B: Backend> TextModel<B> {
                 adapter.apply(be, p, &h_rows, &mut v, rows)?;
             }
         }
-        if let (Some(qn), Some(kn)) = (&attn.q_norm, &attn.k_norm) {
-            q = be.rms_norm(&q, qn, eps)?;
-            k = be.rms_norm(&k, kn, eps)?;
-        }
-        let q = be.rope(&q, cos, sin)?;
-        let k = be.rope(&k, cos, sin)?;
-        be.scatter_rows(&mut pool.k[index], slots, &k, false)?;
-        be.scatter_rows(&mut pool.v[index], slots, &v, false)?;
+        let norms = match (&attn.q_norm, &attn.k_norm) {
+            (Some(qn), Some(kn)) => Some((qn, kn, eps)),
+            _ => None,
+        };
+        let (k_pool, v_pool) = (&mut pool.k[index], &mut pool.v[index]);
+        let q = be.qk_norm_rope_write(&q, &k, &v, norms, (cos, sin), (k_pool, v_pool), slots)?;
         let shape = AttnShape {
             q_heads: self.cfg.num_attention_heads,
             kv_heads: self.cfg.num_key_value_heads,
@@ -490,8 +488,12 @@ impl<B: Backend> TextModel<B> {
             block_size: pool.block_size,
         };
         let a = be.paged_attention(&q, &pool.k[index], &pool.v[index], shape, seqs)?;
-        let x = be.add(&x, &attn.o_proj.forward(be, &a)?)?;
-        let h = be.rms_norm(&x, &layer.post_attention_layernorm, eps)?;
+        let (x, h) = be.add_rms_norm(
+            &x,
+            &attn.o_proj.forward(be, &a)?,
+            &layer.post_attention_layernorm,
+            eps,
+        )?;
         let mlp = &layer.mlp;
         let g = be.silu_mul(&mlp.gate_proj.forward(be, &h)?, &mlp.up_proj.forward(be, &h)?)?;
         be.add(&x, &mlp.down_proj.forward(be, &g)?)

@@ -12,6 +12,9 @@
 //! is validated on the host before a launch, as in the CPU backend.
 
 mod blas;
+mod decode;
+mod fused;
+mod graph;
 pub mod kernels;
 pub mod libs;
 mod params;
@@ -19,19 +22,21 @@ mod params;
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    result as drv, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
+    LaunchConfig, PushKernelArg,
 };
 use half::bf16;
 
 pub use kernels::{compile_all, KernelSource, SOURCES};
 use libs::cuda_err;
+use params::Traced;
 use params::*;
 
 use super::check::{self, shape_err};
-use super::{AttnShape, Backend, Gelu, PagedSeq};
+use super::{AttnShape, Backend, Gelu, OpTime, PagedSeq, StepKey, StepStats};
 use crate::error::{Error, Result};
 use crate::model::loader::{Dtype, TensorRef};
 
@@ -49,9 +54,53 @@ const BF16_NAN: u32 = 0x7fc0;
 /// Activations on the GPU: row-major bf16 `[rows, cols]`.
 #[derive(Debug)]
 pub struct CudaTensor {
-    buf: CudaSlice<bf16>, // [rows, cols] (at least one element is allocated)
+    buf: DevBuf, // [rows, cols] bf16 (at least one element is allocated)
     rows: usize,
     cols: usize,
+}
+
+impl CudaTensor {
+    /// Device address of the first element.
+    fn ptr(&self) -> u64 {
+        self.buf.ptr
+    }
+}
+
+/// Device memory of a tensor: its own allocation, or step memory while a step is recorded or
+/// replayed (graph.rs).
+#[derive(Debug)]
+struct DevBuf {
+    ptr: u64,
+    _owner: Owner,
+}
+
+#[derive(Debug)]
+#[allow(dead_code)] // the fields keep the memory alive
+enum Owner {
+    Slice(CudaSlice<u8>),
+    Step(graph::Lease),
+    /// Uploaded data: its own copy, or (`None`) the step's staging buffer.
+    Staged(Option<CudaSlice<u8>>),
+}
+
+/// Host data copied to the device for one op: its address, kept alive until the op is queued.
+struct Staged {
+    ptr: u64,
+    _keep: Option<CudaSlice<u8>>,
+}
+
+impl Staged {
+    fn ptr(&self) -> u64 {
+        self.ptr
+    }
+}
+
+/// Per-kernel CUDA event pairs while profiling.
+#[derive(Default)]
+struct Profile {
+    on: bool,
+    events: Vec<(&'static str, CudaEvent, CudaEvent)>,
+    totals: HashMap<&'static str, (usize, f64)>,
 }
 
 /// A checkpoint tensor on the GPU, stored as bf16 whatever its dtype in the file.
@@ -76,6 +125,8 @@ pub struct CudaBackend {
     poison: AtomicBool,
     arch: String,
     device_name: String,
+    steps: Mutex<graph::Steps>,
+    profile: Mutex<Profile>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -135,7 +186,10 @@ impl CudaBackend {
             CudaContext::new(ordinal).map_err(|e| cuda_err(format!("context on device {ordinal}: {e:?}")))?;
         // SAFETY: the backend uses one stream only, so cross-stream event tracking is not needed.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        // Not the legacy default stream: CUDA graphs cannot be captured on it.
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| cuda_err(format!("creating a stream: {e:?}")))?;
         let (major, minor) = ctx.compute_capability().map_err(cuda_err)?;
         let arch = format!("sm_{major}{minor}");
         let device_name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
@@ -164,6 +218,8 @@ impl CudaBackend {
             poison: AtomicBool::new(false),
             arch,
             device_name,
+            steps: Mutex::new(graph::Steps::new()),
+            profile: Mutex::new(Profile::default()),
         })
     }
 
@@ -195,55 +251,125 @@ impl CudaBackend {
         self.lt.cached_plans()
     }
 
-    /// Fused residual add + RMSNorm (`norm.cu`): returns `(x + residual, rms_norm(x + residual))`, the
-    /// sum rounded to bf16 first exactly as the unfused `add` then `rms_norm` would. Not yet used by the
-    /// models (the trait has no fused op); covered by the parity tests.
-    pub fn add_rms_norm(
-        &self,
-        x: &CudaTensor,
-        residual: &CudaTensor,
-        weight: &CudaWeight,
-        eps: f32,
-    ) -> Result<(CudaTensor, CudaTensor)> {
-        check::same("add_rms_norm", (x.rows, x.cols), (residual.rows, residual.cols))?;
-        let sum = self.alloc_tensor(x.rows, x.cols)?;
-        let out = self.rms_norm_impl(x, Some((residual, &sum)), weight, eps)?;
-        Ok((sum, out))
-    }
-
     fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
         let (p, _sync) = s.device_ptr(&self.stream);
         p
     }
 
-    fn launch<P: DeviceRepr>(&self, name: &str, cfg: LaunchConfig, p: P) -> Result<()> {
+    fn steps(&self) -> Result<MutexGuard<'_, graph::Steps>> {
+        self.steps
+            .lock()
+            .map_err(|_| cuda_err("step state lock poisoned"))
+    }
+
+    /// Whether the work hashed by `hash` must be issued now (false while replaying a step).
+    fn issue(&self, hash: u64) -> Result<bool> {
+        Ok(self.steps()?.on_launch(hash))
+    }
+
+    fn launch<P: DeviceRepr + Traced>(&self, name: &'static str, cfg: LaunchConfig, p: P) -> Result<()> {
+        let hash = graph::launch_hash(name, cfg.grid_dim, cfg.block_dim, cfg.shared_mem_bytes, |h| {
+            p.trace(h)
+        });
+        if !self.issue(hash)? {
+            return Ok(());
+        }
         let f = self
             .funcs
             .get(name)
             .ok_or_else(|| cuda_err(format!("kernel {name} not loaded")))?;
+        let timer = self.profile_start()?;
         let mut b = self.stream.launch_builder(f);
         b.arg(&p);
         // SAFETY: `p` matches the kernel's C parameter struct (params.rs); every pointer in it is a live
         // allocation of this context whose size the caller validated against the counts in `p`.
         unsafe { b.launch(cfg) }.map_err(|e| cuda_err(format!("launching {name}: {e:?}")))?;
+        self.profile_end(name, timer)
+    }
+
+    /// The start event of a profiled launch (`None` when not profiling or inside a step recording).
+    fn profile_start(&self) -> Result<Option<CudaEvent>> {
+        let on = self.profile.lock().map(|p| p.on).unwrap_or(false);
+        if !on || self.steps()?.mode != graph::Mode::Direct {
+            return Ok(None);
+        }
+        let ev = self
+            .ctx
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| cuda_err(format!("event: {e:?}")))?;
+        ev.record(&self.stream)
+            .map_err(|e| cuda_err(format!("event: {e:?}")))?;
+        Ok(Some(ev))
+    }
+
+    fn profile_end(&self, name: &'static str, start: Option<CudaEvent>) -> Result<()> {
+        let Some(start) = start else { return Ok(()) };
+        let end = self
+            .ctx
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| cuda_err(format!("event: {e:?}")))?;
+        end.record(&self.stream)
+            .map_err(|e| cuda_err(format!("event: {e:?}")))?;
+        let mut p = self
+            .profile
+            .lock()
+            .map_err(|_| cuda_err("profile lock poisoned"))?;
+        p.events.push((name, start, end));
+        if p.events.len() >= 4096 {
+            Self::fold_profile(&mut p)?;
+        }
         Ok(())
     }
 
-    /// An uninitialised bf16 buffer of `len` elements (NaN-filled when poisoning).
-    fn alloc(&self, len: usize) -> Result<CudaSlice<bf16>> {
-        // SAFETY: every op writes all `len` elements of the buffers it allocates before they are read;
+    /// Moves finished event pairs into the totals (waits for them).
+    fn fold_profile(p: &mut Profile) -> Result<()> {
+        for (name, start, end) in p.events.drain(..) {
+            let ms = start
+                .elapsed_ms(&end)
+                .map_err(|e| cuda_err(format!("event timing: {e:?}")))?;
+            let t = p.totals.entry(name).or_insert((0, 0.0));
+            t.0 += 1;
+            t.1 += ms as f64 / 1e3;
+        }
+        Ok(())
+    }
+
+    /// `bytes` bytes of device memory: step memory inside a recorded or replayed step (falling back to
+    /// an ordinary allocation when the arena is full, which abandons the recording), else its own.
+    fn alloc_bytes(&self, bytes: usize) -> Result<DevBuf> {
+        {
+            let mut steps = self.steps()?;
+            if steps.mode != graph::Mode::Direct {
+                if let Some((ptr, lease)) = steps.alloc(bytes) {
+                    return Ok(DevBuf {
+                        ptr,
+                        _owner: Owner::Step(lease),
+                    });
+                }
+            }
+        }
+        // SAFETY: every op writes all the elements of the buffers it allocates before they are read;
         // the poison mode checks exactly that.
-        let buf = unsafe { self.stream.alloc::<bf16>(len.max(1)) }
-            .map_err(|e| cuda_err(format!("alloc: {e:?}")))?;
+        let buf = unsafe { self.stream.alloc::<u8>(bytes.max(2)) }
+            .map_err(|e| cuda_err(format!("alloc of {bytes} bytes: {e:?}")))?;
+        Ok(DevBuf {
+            ptr: self.ptr(&buf),
+            _owner: Owner::Slice(buf),
+        })
+    }
+
+    /// An uninitialised bf16 buffer of `len` elements (NaN-filled when poisoning).
+    fn alloc(&self, len: usize) -> Result<DevBuf> {
+        let buf = self.alloc_bytes(2 * len.max(1))?;
         if self.poison.load(Ordering::Relaxed) {
-            self.fill(&buf, len.max(1), BF16_NAN)?;
+            self.fill(buf.ptr, len.max(1), BF16_NAN)?;
         }
         Ok(buf)
     }
 
-    fn fill(&self, buf: &CudaSlice<bf16>, n: usize, bits: u32) -> Result<()> {
+    fn fill(&self, ptr: u64, n: usize, bits: u32) -> Result<()> {
         let p = FillParams {
-            out: self.ptr(buf),
+            out: ptr,
             n: n as i64,
             bits,
         };
@@ -258,42 +384,98 @@ impl CudaBackend {
         })
     }
 
-    fn htod<T: DeviceRepr + Copy + Default>(&self, v: &[T]) -> Result<CudaSlice<T>> {
-        let r = if v.is_empty() {
-            self.stream.clone_htod(&[T::default()][..])
-        } else {
-            self.stream.clone_htod(v)
-        };
-        r.map_err(|e| cuda_err(format!("host to device copy: {e:?}")))
+    /// Copies host data to the device for an op: staged (graph.rs) inside a recorded or replayed
+    /// step, else a fresh buffer.
+    fn stage<T: DeviceRepr + Copy + Default>(&self, v: &[T]) -> Result<Staged> {
+        self.stage_with(v, true)
     }
 
-    fn dtoh<T: DeviceRepr + Copy>(&self, s: &CudaSlice<T>, len: usize) -> Result<Vec<T>> {
-        if len == 0 {
-            return Ok(Vec::new());
+    /// As [`stage`](Self::stage); `dedup` lets identical arrays of one step share a staged copy
+    /// (only for data no op writes).
+    fn stage_with<T: DeviceRepr + Copy + Default>(&self, v: &[T], dedup: bool) -> Result<Staged> {
+        let one = [T::default()];
+        let v = if v.is_empty() { &one[..] } else { v };
+        // SAFETY: `T: DeviceRepr` is plain data; we only read its bytes.
+        let bytes = unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) };
+        {
+            let mut steps = self.steps()?;
+            if steps.mode != graph::Mode::Direct {
+                if let Some(ptr) = steps.stage(bytes, dedup) {
+                    return Ok(Staged { ptr, _keep: None });
+                }
+            }
         }
-        let v = self
+        let buf = self
             .stream
-            .clone_dtoh(&s.slice(0..len))
+            .clone_htod(bytes)
+            .map_err(|e| cuda_err(format!("host to device copy: {e:?}")))?;
+        Ok(Staged {
+            ptr: self.ptr(&buf),
+            _keep: Some(buf),
+        })
+    }
+
+    /// Runs a step directly after its recording or replay was abandoned (nothing of it ran on the
+    /// device: captured work is discarded, replayed work was never issued).
+    fn run_direct<R>(&self, key: StepKey, f: &mut dyn FnMut() -> Result<R>) -> Result<R> {
+        self.steps()?.abandon(key);
+        f()
+    }
+
+    /// Refuses host reads inside a recorded or replayed step (a graph cannot return data mid-step).
+    fn direct_only(&self, op: &str) -> Result<()> {
+        if self.steps()?.mode == graph::Mode::Direct {
+            Ok(())
+        } else {
+            Err(cuda_err(format!(
+                "{op} reads device data on the host inside a recorded step"
+            )))
+        }
+    }
+
+    fn dtoh<T: DeviceRepr + Copy + Default>(&self, ptr: u64, len: usize) -> Result<Vec<T>> {
+        self.direct_only("device to host copy")?;
+        let mut v = vec![T::default(); len];
+        if len == 0 {
+            return Ok(v);
+        }
+        // SAFETY: `ptr` addresses at least `len` elements of `T` (callers pass a tensor's own size).
+        unsafe { drv::memcpy_dtoh_async(&mut v[..], ptr, self.stream.cu_stream()) }
             .map_err(|e| cuda_err(format!("device to host copy: {e:?}")))?;
         self.synchronize()?;
         Ok(v)
     }
 
-    fn index_u32(&self, op: &str, index: &[usize], bound: usize) -> Result<CudaSlice<u32>> {
+    /// `bytes` from `src` to `dst` on the stream (traced like a launch).
+    fn copy_dtod(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        let hash = graph::launch_hash("memcpy_dtod", (0, 0, 0), (0, 0, 0), 0, |h| {
+            for v in [dst, src, bytes as u64] {
+                h.update(&v.to_le_bytes());
+            }
+        });
+        if !self.issue(hash)? {
+            return Ok(());
+        }
+        // SAFETY: callers pass ranges inside live allocations of this context.
+        unsafe { drv::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
+            .map_err(|e| cuda_err(format!("device copy: {e:?}")))
+    }
+
+    fn index_u32(&self, op: &str, index: &[usize], bound: usize) -> Result<Staged> {
         if let Some(bad) = index.iter().find(|&&i| i >= bound) {
             return Err(shape_err(op, format!("row {bad} of {bound}")));
         }
         let v: Vec<u32> = index.iter().map(|&i| i as u32).collect();
-        self.htod(&v)
+        self.stage(&v)
     }
 
-    fn unary(&self, name: &str, x: &CudaTensor, s: f32, kind: i32) -> Result<CudaTensor> {
+    fn unary(&self, name: &'static str, x: &CudaTensor, s: f32, kind: i32) -> Result<CudaTensor> {
         let n = x.rows * x.cols;
         let out = self.alloc_tensor(x.rows, x.cols)?;
         if n > 0 {
             let p = UnaryParams {
-                x: self.ptr(&x.buf),
-                out: self.ptr(&out.buf),
+                x: x.ptr(),
+                out: out.ptr(),
                 n: n as i64,
                 s,
                 kind,
@@ -303,15 +485,15 @@ impl CudaBackend {
         Ok(out)
     }
 
-    fn binary(&self, name: &str, a: &CudaTensor, b: &CudaTensor) -> Result<CudaTensor> {
+    fn binary(&self, name: &'static str, a: &CudaTensor, b: &CudaTensor) -> Result<CudaTensor> {
         check::same(name, (a.rows, a.cols), (b.rows, b.cols))?;
         let n = a.rows * a.cols;
         let out = self.alloc_tensor(a.rows, a.cols)?;
         if n > 0 {
             let p = BinaryParams {
-                a: self.ptr(&a.buf),
-                b: self.ptr(&b.buf),
-                out: self.ptr(&out.buf),
+                a: a.ptr(),
+                b: b.ptr(),
+                out: out.ptr(),
                 n: n as i64,
             };
             self.launch(name, grid_1d(n), p)?;
@@ -336,13 +518,13 @@ impl CudaBackend {
         let groups = x.rows * x.cols / g;
         let out = self.alloc_tensor(x.rows, x.cols)?;
         if groups > 0 {
-            let (res, sum) = residual.map_or((0, 0), |(r, s)| (self.ptr(&r.buf), self.ptr(&s.buf)));
+            let (res, sum) = residual.map_or((0, 0), |(r, s)| (r.ptr(), s.ptr()));
             let p = RmsNormParams {
-                x: self.ptr(&x.buf),
+                x: x.ptr(),
                 w: self.ptr(&weight.buf),
                 residual: res,
                 sum_out: sum,
-                out: self.ptr(&out.buf),
+                out: out.ptr(),
                 groups: groups as i64,
                 g: to_i32("rms_norm", g)?,
                 eps,
@@ -352,13 +534,13 @@ impl CudaBackend {
         Ok(out)
     }
 
-    fn gather(&self, src: u64, index: &CudaSlice<u32>, n: usize, cols: usize) -> Result<CudaTensor> {
+    fn gather(&self, src: u64, index: &Staged, n: usize, cols: usize) -> Result<CudaTensor> {
         let out = self.alloc_tensor(n, cols)?;
         if n > 0 && cols > 0 {
             let p = GatherParams {
                 src,
-                index: self.ptr(index),
-                out: self.ptr(&out.buf),
+                index: index.ptr(),
+                out: out.ptr(),
                 n: to_i32("gather", n)?,
                 cols: to_i32("gather", cols)?,
             };
@@ -397,8 +579,12 @@ impl Backend for CudaBackend {
 
     fn load_weight(&self, t: &TensorRef) -> Result<CudaWeight> {
         let host = to_bf16(t);
+        let buf = self
+            .stream
+            .clone_htod(&host)
+            .map_err(|e| cuda_err(format!("host to device copy: {e:?}")))?;
         Ok(CudaWeight {
-            buf: self.htod(&host)?,
+            buf,
             shape: t.shape.clone(),
         })
     }
@@ -415,8 +601,13 @@ impl Backend for CudaBackend {
             ));
         }
         let host: Vec<bf16> = data.iter().map(|&v| bf16::from_f32(v)).collect();
+        // Not deduplicated: the tensor may be written later (e.g. scattered into).
+        let staged = self.stage_with(&host, false)?;
         Ok(CudaTensor {
-            buf: self.htod(&host)?,
+            buf: DevBuf {
+                ptr: staged.ptr,
+                _owner: Owner::Staged(staged._keep),
+            },
             rows,
             cols,
         })
@@ -424,7 +615,7 @@ impl Backend for CudaBackend {
 
     fn download(&self, x: &CudaTensor) -> Result<Vec<f32>> {
         Ok(self
-            .dtoh(&x.buf, x.rows * x.cols)?
+            .dtoh::<bf16>(x.ptr(), x.rows * x.cols)?
             .into_iter()
             .map(f32::from)
             .collect())
@@ -435,10 +626,17 @@ impl Backend for CudaBackend {
     }
 
     fn zeros(&self, rows: usize, cols: usize) -> Result<CudaTensor> {
-        let buf = self
-            .stream
-            .alloc_zeros::<bf16>((rows * cols).max(1))
-            .map_err(|e| cuda_err(format!("alloc: {e:?}")))?;
+        let bytes = 2 * (rows * cols).max(1);
+        let buf = self.alloc_bytes(bytes)?;
+        let hash = graph::launch_hash("memset", (0, 0, 0), (0, 0, 0), 0, |h| {
+            h.update(&buf.ptr.to_le_bytes());
+            h.update(&(bytes as u64).to_le_bytes());
+        });
+        if self.issue(hash)? {
+            // SAFETY: `buf` holds `bytes` bytes.
+            unsafe { drv::memset_d8_async(buf.ptr, 0, bytes, self.stream.cu_stream()) }
+                .map_err(|e| cuda_err(format!("memset: {e:?}")))?;
+        }
         Ok(CudaTensor { buf, rows, cols })
     }
 
@@ -449,14 +647,10 @@ impl Backend for CudaBackend {
                 format!("{start}..{} of {} rows", start + len, x.rows),
             ));
         }
-        let mut out = self.alloc_tensor(len, x.cols)?;
+        let out = self.alloc_tensor(len, x.cols)?;
         let n = len * x.cols;
         if n > 0 {
-            let src = x.buf.slice(start * x.cols..start * x.cols + n);
-            let mut dst = out.buf.slice_mut(0..n);
-            self.stream
-                .memcpy_dtod(&src, &mut dst)
-                .map_err(|e| cuda_err(format!("device copy: {e:?}")))?;
+            self.copy_dtod(out.ptr(), x.ptr() + 2 * (start * x.cols) as u64, 2 * n)?;
         }
         Ok(out)
     }
@@ -469,7 +663,7 @@ impl Backend for CudaBackend {
                 "token id {id} is outside the vocabulary of {vocab}"
             )));
         }
-        let index = self.htod(ids)?;
+        let index = self.stage(ids)?;
         self.gather(self.ptr(&table.buf), &index, ids.len(), cols)
     }
 
@@ -484,16 +678,29 @@ impl Backend for CudaBackend {
             return self.zeros(x.rows, out);
         }
         let bias = bias.map(|b| self.ptr(&b.buf));
+        let hash = graph::launch_hash("gemm", (0, 0, 0), (0, 0, 0), 0, |h| {
+            for v in [x.ptr(), self.ptr(&w.buf), bias.unwrap_or(0), y.ptr()] {
+                h.update(&v.to_le_bytes());
+            }
+            for v in [x.rows, out, inner] {
+                h.update(&(v as u64).to_le_bytes());
+            }
+        });
+        if !self.issue(hash)? {
+            return Ok(y);
+        }
+        let timer = self.profile_start()?;
         self.lt.linear(
             &self.stream,
-            self.ptr(&x.buf),
+            x.ptr(),
             self.ptr(&w.buf),
             bias,
-            self.ptr(&y.buf),
+            y.ptr(),
             x.rows,
             out,
             inner,
         )?;
+        self.profile_end("gemm", timer)?;
         Ok(y)
     }
 
@@ -527,10 +734,10 @@ impl Backend for CudaBackend {
         let pairs = x.rows * heads * d / 2;
         if pairs > 0 {
             let p = RopeParams {
-                x: self.ptr(&x.buf),
-                cos: self.ptr(&cos.buf),
-                sin: self.ptr(&sin.buf),
-                out: self.ptr(&out.buf),
+                x: x.ptr(),
+                cos: cos.ptr(),
+                sin: sin.ptr(),
+                out: out.ptr(),
                 n: x.rows as i64,
                 heads: to_i32("rope", heads)?,
                 d: to_i32("rope", d)?,
@@ -573,33 +780,38 @@ impl Backend for CudaBackend {
         }
         let max_visible = row_visible.iter().copied().max().unwrap_or(1) as usize;
         let decode = seqs.iter().all(|x| x.rows <= 1);
-        let splits = if decode {
-            max_visible.div_ceil(DECODE_CHUNK).clamp(1, MAX_SPLITS)
-        } else {
-            1
+        // Split-K for decode rows. Each row picks its own split count from its own context
+        // (ceil(visible / DECODE_CHUNK), at most MAX_SPLITS), so its result never depends on the other
+        // rows; the grid only has to cover the largest. Inside a recorded step the grid is always
+        // MAX_SPLITS wide, so a replay stays valid as contexts grow (idle splits exit at once).
+        let recording = self.steps()?.mode != graph::Mode::Direct;
+        let splits = match (decode, recording) {
+            (false, _) => 1,
+            (true, true) => MAX_SPLITS,
+            (true, false) => max_visible.div_ceil(DECODE_CHUNK).clamp(1, MAX_SPLITS),
         };
-        let chunk = max_visible.div_ceil(splits);
-        let (row_seq, row_visible) = (self.htod(&row_seq)?, self.htod(&row_visible)?);
-        let (table_start, tables) = (self.htod(&table_start)?, self.htod(&tables)?);
+        let chunk = DECODE_CHUNK;
+        let (row_seq, row_visible) = (self.stage(&row_seq)?, self.stage(&row_visible)?);
+        let (table_start, tables) = (self.stage(&table_start)?, self.stage(&tables)?);
         let items = rows * s.q_heads;
         let d = s.head_dim;
+        // Every (item, split) slot is written by paged_attention_v1 before the combine reads it.
         let part = if splits > 1 {
-            // SAFETY: every (item, split) slot is written by paged_attention_v1 before the combine reads it.
-            Some(unsafe { self.stream.alloc::<f32>(items * splits * (d + 2)) }.map_err(cuda_err)?)
+            Some(self.alloc_bytes(4 * items * splits * (d + 2))?)
         } else {
             None
         };
         let op = "paged_attention";
         let p = PagedAttnParams {
-            q: self.ptr(&q.buf),
-            k: self.ptr(&k.buf),
-            v: self.ptr(&v.buf),
-            row_seq: self.ptr(&row_seq),
-            row_visible: self.ptr(&row_visible),
-            seq_table_start: self.ptr(&table_start),
-            tables: self.ptr(&tables),
-            out: self.ptr(&out.buf),
-            part: part.as_ref().map_or(0, |b| self.ptr(b)),
+            q: q.ptr(),
+            k: k.ptr(),
+            v: v.ptr(),
+            row_seq: row_seq.ptr(),
+            row_visible: row_visible.ptr(),
+            seq_table_start: table_start.ptr(),
+            tables: tables.ptr(),
+            out: out.ptr(),
+            part: part.as_ref().map_or(0, |b| b.ptr),
             rows: to_i32(op, rows)?,
             q_heads: to_i32(op, s.q_heads)?,
             kv_heads: to_i32(op, s.kv_heads)?,
@@ -612,8 +824,8 @@ impl Backend for CudaBackend {
         self.launch("paged_attention_v1", grid_warps(items, splits), p)?;
         if let Some(part) = &part {
             let c = CombineParams {
-                part: self.ptr(part),
-                out: self.ptr(&out.buf),
+                part: part.ptr,
+                out: out.ptr(),
                 items: to_i32(op, items)?,
                 splits: splits as i32,
                 d: d as i32,
@@ -642,10 +854,10 @@ impl Backend for CudaBackend {
         let out = self.alloc_tensor(x.rows, x.cols)?;
         if x.rows > 0 && x.cols > 0 {
             let p = LayerNormParams {
-                x: self.ptr(&x.buf),
+                x: x.ptr(),
                 w: self.ptr(&weight.buf),
                 b: self.ptr(&bias.buf),
-                out: self.ptr(&out.buf),
+                out: out.ptr(),
                 rows: x.rows as i64,
                 cols: to_i32("layer_norm", x.cols)?,
                 eps,
@@ -694,16 +906,16 @@ impl Backend for CudaBackend {
                 (lo[r], hi[r]) = (w[0] as u32, w[1] as u32);
             }
         }
-        let (lo, hi) = (self.htod(&lo)?, self.htod(&hi)?);
+        let (lo, hi) = (self.stage(&lo)?, self.stage(&hi)?);
         let d = q.cols / heads;
         let op = "attention_segments";
         let p = SegAttnParams {
-            q: self.ptr(&q.buf),
-            k: self.ptr(&k.buf),
-            v: self.ptr(&v.buf),
-            row_lo: self.ptr(&lo),
-            row_hi: self.ptr(&hi),
-            out: self.ptr(&out.buf),
+            q: q.ptr(),
+            k: k.ptr(),
+            v: v.ptr(),
+            row_lo: lo.ptr(),
+            row_hi: hi.ptr(),
+            out: out.ptr(),
             rows: to_i32(op, q.rows)?,
             heads: to_i32(op, heads)?,
             d: d as i32,
@@ -724,7 +936,7 @@ impl Backend for CudaBackend {
 
     fn gather_rows(&self, x: &CudaTensor, index: &[usize]) -> Result<CudaTensor> {
         let idx = self.index_u32("gather_rows", index, x.rows)?;
-        self.gather(self.ptr(&x.buf), &idx, index.len(), x.cols)
+        self.gather(x.ptr(), &idx, index.len(), x.cols)
     }
 
     fn scatter_rows(
@@ -751,9 +963,9 @@ impl Backend for CudaBackend {
         let cols = to_i32("scatter_rows", dst.cols)?;
         for (start, n) in launches {
             let p = ScatterParams {
-                dst: self.ptr(&dst.buf),
-                index: self.ptr(&idx) + 4 * start as u64,
-                src: self.ptr(&src.buf) + 2 * (start * src.cols) as u64,
+                dst: dst.ptr(),
+                index: idx.ptr() + 4 * start as u64,
+                src: src.ptr() + 2 * (start * src.cols) as u64,
                 n: n as i32,
                 cols,
                 accumulate: accumulate as i32,
@@ -775,13 +987,13 @@ impl Backend for CudaBackend {
         let rows = indices.len() / taps;
         let out = self.alloc_tensor(rows, cols)?;
         if rows > 0 && cols > 0 {
-            let (idx, w) = (self.htod(indices)?, self.htod(weights)?);
+            let (idx, w) = (self.stage(indices)?, self.stage(weights)?);
             let op = "weighted_embedding";
             let p = WeightedParams {
                 table: self.ptr(&table.buf),
-                index: self.ptr(&idx),
-                weights: self.ptr(&w),
-                out: self.ptr(&out.buf),
+                index: idx.ptr(),
+                weights: w.ptr(),
+                out: out.ptr(),
                 rows: to_i32(op, rows)?,
                 cols: to_i32(op, cols)?,
                 taps: to_i32(op, taps)?,
@@ -806,18 +1018,18 @@ impl Backend for CudaBackend {
         if logits.rows == 0 {
             return Ok(Vec::new());
         }
-        let t = self.htod(targets)?;
+        let t = self.stage(targets)?;
         let out = self.stream.alloc_zeros::<f32>(logits.rows).map_err(cuda_err)?;
         let p = RowReduceParams {
-            logits: self.ptr(&logits.buf),
-            targets: self.ptr(&t),
+            logits: logits.ptr(),
+            targets: t.ptr(),
             out_f32: self.ptr(&out),
             out_u32: 0,
             n: logits.rows as i64,
             vocab: to_i32("log_softmax_gather", logits.cols)?,
         };
         self.launch("log_softmax_gather_v1", grid_rows(logits.rows, 256, 256), p)?;
-        self.dtoh(&out, logits.rows)
+        self.dtoh(self.ptr(&out), logits.rows)
     }
 
     fn argmax(&self, logits: &CudaTensor) -> Result<Vec<u32>> {
@@ -829,7 +1041,7 @@ impl Backend for CudaBackend {
         }
         let out = self.stream.alloc_zeros::<u32>(logits.rows).map_err(cuda_err)?;
         let p = RowReduceParams {
-            logits: self.ptr(&logits.buf),
+            logits: logits.ptr(),
             targets: 0,
             out_f32: 0,
             out_u32: self.ptr(&out),
@@ -837,7 +1049,83 @@ impl Backend for CudaBackend {
             vocab: to_i32("argmax", logits.cols)?,
         };
         self.launch("argmax_v1", grid_rows(logits.rows, 256, 256), p)?;
-        self.dtoh(&out, logits.rows)
+        self.dtoh(self.ptr(&out), logits.rows)
+    }
+
+    /// One `rms_norm_v1` launch that also adds the residual; the sum is rounded to bf16 before
+    /// normalising, exactly as `add` then `rms_norm`.
+    fn add_rms_norm(
+        &self,
+        x: &CudaTensor,
+        residual: &CudaTensor,
+        weight: &CudaWeight,
+        eps: f32,
+    ) -> Result<(CudaTensor, CudaTensor)> {
+        check::same("add_rms_norm", (x.rows, x.cols), (residual.rows, residual.cols))?;
+        let sum = self.alloc_tensor(x.rows, x.cols)?;
+        let out = self.rms_norm_impl(x, Some((residual, &sum)), weight, eps)?;
+        Ok((sum, out))
+    }
+
+    fn run_step<R>(&self, key: StepKey, f: &mut dyn FnMut() -> Result<R>) -> Result<R> {
+        let mode = self.steps()?.begin(key, &self.stream)?;
+        match mode {
+            graph::Mode::Direct => f(),
+            graph::Mode::Replay => {
+                let r = f();
+                let replayed = self.steps()?.finish_replay(key, &self.stream)?;
+                match r {
+                    Ok(r) if replayed => Ok(r),
+                    // Nothing ran on the device: run the step directly.
+                    _ => self.run_direct(key, f),
+                }
+            }
+            graph::Mode::Record => {
+                graph::begin_capture(&self.stream)?;
+                let r = f();
+                let g = graph::end_capture(&self.stream);
+                let recorded = r.is_ok() && self.steps()?.finish_record(key, g, &self.stream)?;
+                match r {
+                    Ok(r) if recorded => Ok(r),
+                    _ => self.run_direct(key, f),
+                }
+            }
+        }
+    }
+
+    fn set_step_replay(&self, on: bool) {
+        if let Ok(mut s) = self.steps() {
+            s.set_enabled(on);
+        }
+    }
+
+    fn step_stats(&self) -> StepStats {
+        self.steps().map(|s| s.stats()).unwrap_or_default()
+    }
+
+    fn set_profiling(&self, on: bool) {
+        if let Ok(mut p) = self.profile.lock() {
+            p.on = on;
+        }
+    }
+
+    fn take_profile(&self) -> Result<Vec<OpTime>> {
+        let mut p = self
+            .profile
+            .lock()
+            .map_err(|_| cuda_err("profile lock poisoned"))?;
+        Self::fold_profile(&mut p)?;
+        let mut out: Vec<OpTime> = p
+            .totals
+            .drain()
+            .map(|(op, (calls, seconds))| OpTime {
+                op: op.to_string(),
+                calls,
+                seconds,
+            })
+            .collect();
+        out.sort_by(|a, b| b.seconds.total_cmp(&a.seconds));
+        Ok(out)
     }
 }
 

@@ -3,6 +3,13 @@
 //! and floats, so neither side has padding surprises). A kernel takes its struct by value.
 
 use cudarc::driver::DeviceRepr;
+use xxhash_rust::xxh64::Xxh64;
+
+/// Parameters that can be hashed field by field into a step's launch trace (see `graph.rs`): a
+/// replayed CUDA graph is valid only if every launch's parameters equal the recorded ones.
+pub(super) trait Traced {
+    fn trace(&self, h: &mut Xxh64);
+}
 
 macro_rules! params {
     ($($(#[$m:meta])* $name:ident { $($field:ident : $ty:ty),* $(,)? })*) => {$(
@@ -12,8 +19,17 @@ macro_rules! params {
         pub(super) struct $name { $(pub $field: $ty),* }
         // SAFETY: plain old data of `#[repr(C)]` layout, identical to the C struct of the same name.
         unsafe impl DeviceRepr for $name {}
+        impl Traced for $name {
+            fn trace(&self, h: &mut Xxh64) {
+                $(h.update(&self.$field.to_le_bytes());)*
+            }
+        }
     )*};
 }
+
+/// Lets other kernel families (e.g. `flash.rs`) declare their parameter structs the same way.
+#[allow(unused_imports)]
+pub(super) use params;
 
 params! {
     /// elementwise.cu: scale_v1, gelu_v1.

@@ -1,0 +1,487 @@
+//! CUDA graphs for decode steps: record the device work of a step once, replay it for every later
+//! step of the same shape.
+//!
+//! A decode step of an 8B model is ~600 small launches; launching them one by one from the host costs
+//! more than the GPU needs to run them. A graph removes that cost, but replays exactly the recorded
+//! launches: the same kernels, launch configurations and parameter bytes (device addresses included).
+//! Three things make a step replayable without changing the model code:
+//!
+//! * **Step memory.** While a step is recorded or replayed, every buffer an op allocates comes from a
+//!   fixed arena through a deterministic first-fit allocator, so the same sequence of allocations and
+//!   frees yields the same addresses every time. Buffers are reclaimed at the start of the next step.
+//! * **Staged inputs.** Host data an op needs on the device (token ids, rotary tables, block tables,
+//!   pool slots, attention metadata) is written into a pinned host buffer at deterministic offsets and
+//!   copied to a fixed device buffer with one copy right before the graph runs. Identical arrays within
+//!   a step share one staged copy, so per-layer metadata is copied once per step, not once per layer.
+//! * **A launch trace.** Every launch, GEMM and device copy is hashed (name, grid, block, shared
+//!   memory, every parameter field). Replay runs the model's host code again with launches skipped and
+//!   compares each hash with the recording; the graph is launched only when the whole trace matches.
+//!   Otherwise the recording is dropped and the step runs directly. So a replayed step does exactly
+//!   what the direct run would do, bit for bit, and a shape the recording did not foresee (a longer
+//!   context that changes a launch) costs one direct step and a new recording, never a wrong result.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{result, sys, CudaGraph, CudaSlice, CudaStream, DevicePtr};
+use xxhash_rust::xxh64::Xxh64;
+
+use super::libs::cuda_err;
+use crate::backend::{StepKey, StepStats};
+use crate::error::Result;
+
+/// Alignment of step allocations and staged arrays (cuBLASLt and 16-byte vector loads want ≥ 16).
+const ALIGN: usize = 256;
+/// Initial step arena (grows by doubling when a recording runs out).
+const ARENA_BYTES: usize = 64 << 20;
+/// Initial staging buffers.
+const STAGING_BYTES: usize = 1 << 20;
+
+/// What launches do in the current step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Mode {
+    /// No step in progress: launch directly.
+    Direct,
+    /// Recording: launch (into the capture) and append to the trace.
+    Record,
+    /// Replaying: compare with the trace, do not launch.
+    Replay,
+}
+
+/// First-fit allocator over `[0, cap)` with coalescing frees. Deterministic: the same calls give the
+/// same offsets.
+#[derive(Debug)]
+struct FirstFit {
+    cap: usize,
+    free: Vec<(usize, usize)>, // sorted, disjoint (offset, len)
+    epoch: u64,
+}
+
+impl FirstFit {
+    fn new(cap: usize) -> Self {
+        FirstFit {
+            cap,
+            free: vec![(0, cap)],
+            epoch: 0,
+        }
+    }
+
+    fn reset(&mut self) {
+        self.free = vec![(0, self.cap)];
+        self.epoch += 1;
+    }
+
+    fn alloc(&mut self, len: usize) -> Option<usize> {
+        let len = len.max(1).div_ceil(ALIGN) * ALIGN;
+        let i = self.free.iter().position(|&(_, l)| l >= len)?;
+        let (off, l) = self.free[i];
+        if l == len {
+            self.free.remove(i);
+        } else {
+            self.free[i] = (off + len, l - len);
+        }
+        Some(off)
+    }
+
+    fn release(&mut self, off: usize, len: usize, epoch: u64) {
+        if epoch != self.epoch {
+            return; // the arena was reset since: the block is already free
+        }
+        let len = len.max(1).div_ceil(ALIGN) * ALIGN;
+        let i = self.free.partition_point(|&(o, _)| o < off);
+        self.free.insert(i, (off, len));
+        if i + 1 < self.free.len() && self.free[i].0 + self.free[i].1 == self.free[i + 1].0 {
+            self.free[i].1 += self.free[i + 1].1;
+            self.free.remove(i + 1);
+        }
+        if i > 0 && self.free[i - 1].0 + self.free[i - 1].1 == self.free[i].0 {
+            self.free[i - 1].1 += self.free[i].1;
+            self.free.remove(i);
+        }
+    }
+}
+
+/// A buffer in step memory; returned to the arena on drop (unless the arena was reset since).
+#[derive(Debug)]
+pub(super) struct Lease {
+    arena: Arc<Mutex<FirstFit>>,
+    off: usize,
+    len: usize,
+    epoch: u64,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if let Ok(mut a) = self.arena.lock() {
+            a.release(self.off, self.len, self.epoch);
+        }
+    }
+}
+
+/// Pinned host memory (page-locked, so the copy before a replay is a true async DMA).
+struct Pinned {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the pointer is owned by this struct and only used under the step mutex.
+unsafe impl Send for Pinned {}
+
+impl Pinned {
+    fn new(len: usize) -> Result<Self> {
+        // SAFETY: a fresh page-locked allocation of `len` bytes, freed once in Drop.
+        let ptr =
+            unsafe { result::malloc_host(len, 0) }.map_err(|e| cuda_err(format!("pinned alloc: {e:?}")))?;
+        Ok(Pinned {
+            ptr: ptr as *mut u8,
+            len,
+        })
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        // SAFETY: allocated by `malloc_host` in `new`.
+        unsafe {
+            let _ = result::free_host(self.ptr as *mut std::ffi::c_void);
+        }
+    }
+}
+
+/// One recorded step.
+struct Recording {
+    graph: CudaGraph,
+    trace: Vec<u64>,
+}
+
+// SAFETY: graphs are only touched under the backend's step mutex, one thread at a time, which is what
+// CUDA requires of graph objects.
+unsafe impl Send for Recording {}
+
+/// The step state of a backend (behind its mutex).
+pub(super) struct Steps {
+    pub(super) mode: Mode,
+    enabled: bool,
+    arena: Option<(CudaSlice<u8>, Arc<Mutex<FirstFit>>)>,
+    arena_bytes: usize,
+    pinned: Option<Pinned>,
+    staging: Option<CudaSlice<u8>>,
+    staging_bytes: usize,
+    staged: usize,
+    memo: HashMap<u64, usize>,
+    trace: Vec<u64>,
+    cursor: usize,
+    mismatch: bool,
+    overflow: bool,
+    recordings: HashMap<StepKey, Recording>,
+    stats: StepStats,
+}
+
+impl Steps {
+    pub(super) fn new() -> Self {
+        Steps {
+            mode: Mode::Direct,
+            enabled: std::env::var("RECALL_CUDA_GRAPHS").map_or(true, |v| v != "0" && v != "off"),
+            arena: None,
+            arena_bytes: ARENA_BYTES,
+            pinned: None,
+            staging: None,
+            staging_bytes: STAGING_BYTES,
+            staged: 0,
+            memo: HashMap::new(),
+            trace: Vec::new(),
+            cursor: 0,
+            mismatch: false,
+            overflow: false,
+            recordings: HashMap::new(),
+            stats: StepStats::default(),
+        }
+    }
+
+    pub(super) fn set_enabled(&mut self, on: bool) {
+        self.enabled = on;
+        if !on {
+            self.recordings.clear();
+        }
+    }
+
+    pub(super) fn stats(&self) -> StepStats {
+        self.stats
+    }
+
+    /// Called by every launch, GEMM and device copy with the hash of what it would do: `true` when it
+    /// must actually be issued.
+    pub(super) fn on_launch(&mut self, hash: u64) -> bool {
+        match self.mode {
+            Mode::Direct => true,
+            Mode::Record => {
+                self.trace.push(hash);
+                true
+            }
+            Mode::Replay => {
+                if self.trace.get(self.cursor) != Some(&hash) {
+                    self.mismatch = true;
+                }
+                self.cursor += 1;
+                false
+            }
+        }
+    }
+
+    /// A step-memory buffer of `len` bytes: `(device address, lease)`; `None` when the arena is full
+    /// (the step then runs directly and the arena grows).
+    pub(super) fn alloc(&mut self, len: usize) -> Option<(u64, Lease)> {
+        let (buf, arena) = self.arena.as_ref()?;
+        let off = arena.lock().ok()?.alloc(len);
+        let Some(off) = off else {
+            self.overflow = true;
+            return None;
+        };
+        let epoch = arena.lock().ok()?.epoch;
+        let (base, _) = buf.device_ptr(buf.stream());
+        Some((
+            base + off as u64,
+            Lease {
+                arena: arena.clone(),
+                off,
+                len,
+                epoch,
+            },
+        ))
+    }
+
+    /// Stages `bytes` for the device; returns their device address, or `None` when staging is full.
+    pub(super) fn stage(&mut self, bytes: &[u8], dedup: bool) -> Option<u64> {
+        let key = xxhash_rust::xxh64::xxh64(bytes, bytes.len() as u64);
+        let off = match self.memo.get(&key).filter(|_| dedup) {
+            Some(&off) => off,
+            None => {
+                let off = self.staged;
+                let end = off + bytes.len();
+                let pinned = self.pinned.as_ref()?;
+                if end > pinned.len {
+                    self.overflow = true;
+                    return None;
+                }
+                // SAFETY: `off..end` lies inside the pinned buffer, which no copy reads concurrently
+                // (the previous step's copy completed: `begin` synchronises on it).
+                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), pinned.ptr.add(off), bytes.len()) };
+                self.staged = end.div_ceil(ALIGN) * ALIGN;
+                if dedup {
+                    self.memo.insert(key, off);
+                }
+                off
+            }
+        };
+        let dev = self.staging.as_ref()?;
+        let (base, _) = dev.device_ptr(dev.stream());
+        Some(base + off as u64)
+    }
+
+    fn ensure_buffers(&mut self, stream: &Arc<CudaStream>) -> Result<()> {
+        if self.arena.is_none() {
+            let buf = stream
+                .alloc_zeros::<u8>(self.arena_bytes)
+                .map_err(|e| cuda_err(format!("step arena of {} MiB: {e:?}", self.arena_bytes >> 20)))?;
+            self.arena = Some((buf, Arc::new(Mutex::new(FirstFit::new(self.arena_bytes)))));
+        }
+        if self.staging.is_none() {
+            self.pinned = Some(Pinned::new(self.staging_bytes)?);
+            let dev = stream
+                .alloc_zeros::<u8>(self.staging_bytes)
+                .map_err(|e| cuda_err(format!("staging buffer: {e:?}")))?;
+            self.staging = Some(dev);
+        }
+        Ok(())
+    }
+
+    /// Prepares a step: fresh step memory, empty staging, the trace to record or to compare with.
+    /// Returns the mode the step runs in.
+    pub(super) fn begin(&mut self, key: StepKey, stream: &Arc<CudaStream>) -> Result<Mode> {
+        if !self.enabled {
+            self.stats.direct += 1;
+            return Ok(Mode::Direct);
+        }
+        // The previous step's staging copy must be done before the host overwrites the buffer.
+        stream
+            .synchronize()
+            .map_err(|e| cuda_err(format!("synchronize: {e:?}")))?;
+        self.ensure_buffers(stream)?;
+        if let Some((_, a)) = &self.arena {
+            a.lock()
+                .map_err(|_| cuda_err("step arena lock poisoned"))?
+                .reset();
+        }
+        self.staged = 0;
+        self.memo.clear();
+        self.mismatch = false;
+        self.overflow = false;
+        self.cursor = 0;
+        self.mode = match self.recordings.get(&key) {
+            Some(r) => {
+                self.trace = r.trace.clone();
+                Mode::Replay
+            }
+            None => {
+                self.trace.clear();
+                Mode::Record
+            }
+        };
+        Ok(self.mode)
+    }
+
+    /// After a replayed run of the step's host code: whether the trace matched (then the staged
+    /// inputs are copied and the graph launched).
+    pub(super) fn finish_replay(&mut self, key: StepKey, stream: &Arc<CudaStream>) -> Result<bool> {
+        self.mode = Mode::Direct;
+        let ok = !self.mismatch && !self.overflow && self.cursor == self.trace.len();
+        if !ok {
+            tracing::debug!("step {key:?}: launches differ from the recording; running directly");
+            self.recordings.remove(&key);
+            return Ok(false);
+        }
+        self.copy_staged(stream)?;
+        let r = self
+            .recordings
+            .get(&key)
+            .ok_or_else(|| cuda_err("recording vanished"))?;
+        r.graph
+            .launch()
+            .map_err(|e| cuda_err(format!("graph launch: {e:?}")))?;
+        self.stats.replayed += 1;
+        Ok(true)
+    }
+
+    /// After a recorded run: stores the graph and runs it on this step's staged inputs.
+    pub(super) fn finish_record(
+        &mut self,
+        key: StepKey,
+        graph: Option<CudaGraph>,
+        stream: &Arc<CudaStream>,
+    ) -> Result<bool> {
+        self.mode = Mode::Direct;
+        let Some(graph) = graph.filter(|_| !self.overflow) else {
+            self.grow_if_full();
+            return Ok(false);
+        };
+        self.copy_staged(stream)?;
+        graph
+            .launch()
+            .map_err(|e| cuda_err(format!("graph launch: {e:?}")))?;
+        let trace = std::mem::take(&mut self.trace);
+        self.recordings.insert(key, Recording { graph, trace });
+        self.stats.recorded += 1;
+        Ok(true)
+    }
+
+    /// A failed recording or replay: back to direct mode (growing what overflowed).
+    pub(super) fn abandon(&mut self, key: StepKey) {
+        self.mode = Mode::Direct;
+        self.recordings.remove(&key);
+        self.grow_if_full();
+        self.stats.direct += 1;
+    }
+
+    fn grow_if_full(&mut self) {
+        if !self.overflow {
+            return;
+        }
+        // Recordings hold addresses in the old buffers: all of them go.
+        self.recordings.clear();
+        self.arena = None;
+        self.staging = None;
+        self.pinned = None;
+        self.arena_bytes *= 2;
+        self.staging_bytes *= 2;
+        tracing::info!(
+            "step memory grown to {} MiB arena, {} MiB staging",
+            self.arena_bytes >> 20,
+            self.staging_bytes >> 20
+        );
+    }
+
+    fn copy_staged(&self, stream: &Arc<CudaStream>) -> Result<()> {
+        if self.staged == 0 {
+            return Ok(());
+        }
+        let (Some(pinned), Some(dev)) = (&self.pinned, &self.staging) else {
+            return Err(cuda_err("staging buffers missing"));
+        };
+        let (dst, _) = dev.device_ptr(stream);
+        // SAFETY: both buffers hold at least `staged` bytes; the pinned buffer is not written again
+        // before the next `begin`, which synchronises the stream first.
+        let src = unsafe { std::slice::from_raw_parts(pinned.ptr, self.staged) };
+        unsafe { result::memcpy_htod_async(dst, src, stream.cu_stream()) }
+            .map_err(|e| cuda_err(format!("staging copy: {e:?}")))
+    }
+}
+
+/// Starts a capture on `stream` (thread-local mode: other threads' CUDA calls are unaffected).
+pub(super) fn begin_capture(stream: &Arc<CudaStream>) -> Result<()> {
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(|e| cuda_err(format!("begin capture: {e:?}")))
+}
+
+/// Ends the capture; `None` when it failed or captured nothing.
+pub(super) fn end_capture(stream: &Arc<CudaStream>) -> Option<CudaGraph> {
+    match stream.end_capture(sys::CUgraphInstantiate_flags(0)) {
+        Ok(g) => g,
+        Err(e) => {
+            tracing::debug!("end capture: {e:?}");
+            None
+        }
+    }
+}
+
+/// Hash of one launch for the trace.
+pub(super) fn launch_hash(
+    name: &str,
+    grid: (u32, u32, u32),
+    block: (u32, u32, u32),
+    smem: u32,
+    fields: impl FnOnce(&mut Xxh64),
+) -> u64 {
+    let mut h = Xxh64::new(0);
+    h.update(name.as_bytes());
+    for v in [grid.0, grid.1, grid.2, block.0, block.1, block.2, smem] {
+        h.update(&v.to_le_bytes());
+    }
+    fields(&mut h);
+    h.digest()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FirstFit;
+
+    #[test]
+    fn first_fit_is_deterministic_and_coalesces() {
+        let run = || {
+            let mut a = FirstFit::new(1 << 20);
+            let x = a.alloc(1000).unwrap();
+            let y = a.alloc(5000).unwrap();
+            let z = a.alloc(300).unwrap();
+            a.release(y, 5000, 0);
+            let w = a.alloc(4000).unwrap();
+            a.release(x, 1000, 0);
+            a.release(z, 300, 0);
+            a.release(w, 4000, 0);
+            (x, y, z, w, a.free.clone())
+        };
+        let (x, y, z, w, free) = run();
+        assert_eq!((x, y, z, w), (0, 1024, 6144, 1024));
+        assert_eq!(free, vec![(0, 1 << 20)]);
+        assert_eq!(run(), (x, y, z, w, free));
+    }
+
+    #[test]
+    fn release_after_reset_is_ignored() {
+        let mut a = FirstFit::new(4096);
+        let x = a.alloc(256).unwrap();
+        a.reset();
+        a.release(x, 256, 0);
+        assert_eq!(a.free, vec![(0, 4096)]);
+        assert!(a.alloc(8192).is_none());
+    }
+}
