@@ -34,21 +34,22 @@ extern "C" __global__ void rms_norm_v1(const RmsNormParams p) {
     long long grp = blockIdx.x;
     if (grp >= p.groups) return;
     const bf16 *x = p.x + grp * p.g;
-    float ss = 0.f;
-    for (int c = threadIdx.x; c < p.g; c += blockDim.x) {
-        float v = ld(x, c);
-        if (p.residual) {
-            v = __bfloat162float(__float2bfloat16_rn(v + ld(p.residual, grp * p.g + c)));
-            if (p.sum_out) st(p.sum_out, grp * p.g + c, v);
-        }
-        ss += v * v;
-    }
-    ss = block_sum(ss, scratch);
-    float r = 1.f / sqrtf(ss / (float)p.g + p.eps);
+    // The arithmetic is common.cuh's rms_* helpers, shared with qk_norm_rope_write_v1 (fused.cu).
+    float ss = rms_sum_sq(
+        [&](int c) {
+            float v = ld(x, c);
+            if (p.residual) {
+                v = __bfloat162float(__float2bfloat16_rn(v + ld(p.residual, grp * p.g + c)));
+                if (p.sum_out) st(p.sum_out, grp * p.g + c, v);
+            }
+            return v;
+        },
+        p.g, scratch);
+    float r = rms_inv(ss, p.g, p.eps);
     for (int c = threadIdx.x; c < p.g; c += blockDim.x) {
         float v = ld(x, c);
         if (p.residual) v = __bfloat162float(__float2bfloat16_rn(v + ld(p.residual, grp * p.g + c)));
-        st(p.out, grp * p.g + c, ld(p.w, c) * (v * r));
+        st(p.out, grp * p.g + c, rms_apply(ld(p.w, c), v, r));
     }
 }
 

@@ -26,7 +26,8 @@ extern "C" __global__ void rope_v1(const RopeParams p) {
         long long base = r * (long long)p.heads * p.d + (long long)h * p.d;
         const bf16 *c = p.cos + r * p.d, *s = p.sin + r * p.d;
         float a = ld(p.x, base + i), b = ld(p.x, base + i + half);
-        st(p.out, base + i, a * ld(c, i) - b * ld(s, i));
-        st(p.out, base + i + half, b * ld(c, i + half) + a * ld(s, i + half));
+        // common.cuh's rope_* helpers, shared with qk_norm_rope_write_v1 (fused.cu).
+        st(p.out, base + i, rope_first(a, b, ld(c, i), ld(s, i)));
+        st(p.out, base + i + half, rope_second(a, b, ld(c, i + half), ld(s, i + half)));
     }
 }

@@ -10,7 +10,9 @@
 //! * decode ms/token at the step's context and the effective GB/s (weights + K/V read per token);
 //! * the two-pass CausalCache step (pass 1, selector, pass 2) with and without prefix reuse and with
 //!   and without drafting pass 2 from pass 1's proposal (plus an oracle draft: the best case);
-//! * a ScopeMem-shaped step (two passes, the second with a 16-row embedding prefix).
+//! * a ScopeMem-shaped step (two passes, the second with a 16-row embedding prefix);
+//! * with step replay on ([`BenchArgs::step_replay`]), the decode once more with it off;
+//! * with [`BenchArgs::breakdown`], one more prefill and decode profiled per op or kernel.
 //!
 //! Every optimised path's greedy tokens are compared with the unoptimised path's, and the result is
 //! printed as "identical: yes/no". FLOPs and bytes are counted from the config (docs/BENCH.md).
@@ -152,6 +154,13 @@ pub struct BenchArgs {
     /// draft and reuse + oracle draft; ScopeMem only with reuse (its pass 2 is then compared with
     /// nothing, its pass 1 with the plain pass 1).
     pub quick: bool,
+    /// After the measurements, profile one more prefill and decode of the pass-1 prompt per op (CPU)
+    /// or per kernel (CUDA): [`BenchReport::breakdown`].
+    pub breakdown: bool,
+    /// Step recording/replay ([`Backend::set_step_replay`], CUDA graphs) during the measurements
+    /// (CLI: `--step-replay on|off`). When on, the plain pass 1 also runs once with it off and both
+    /// outputs are compared: [`BenchReport::replay`].
+    pub step_replay: bool,
     /// Matrix-unit ceiling for the floors, TFLOP/s (H200 measured: 790).
     pub peak_tflops: f64,
     /// Memory-bandwidth ceiling for the floors, GB/s (H200 measured copy: 4200).
@@ -180,6 +189,8 @@ impl BenchArgs {
             weights_dir: None,
             json_out: None,
             quick: false,
+            breakdown: false,
+            step_replay: true,
             peak_tflops: 790.0,
             peak_gbs: 4200.0,
         }
@@ -321,6 +332,81 @@ pub struct StepRow {
     pub pass2_tokens: Vec<u32>,
 }
 
+/// Time of one op (CPU backend) or kernel (CUDA backend) in a profiled phase.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OpRow {
+    /// Op or kernel name, as the backend reports it.
+    pub op: String,
+    pub calls: usize,
+    /// Total seconds.
+    pub seconds: f64,
+}
+
+impl From<crate::backend::OpTime> for OpRow {
+    fn from(o: crate::backend::OpTime) -> Self {
+        OpRow {
+            op: o.op,
+            calls: o.calls,
+            seconds: o.seconds,
+        }
+    }
+}
+
+/// `--breakdown`: where the time of one prefill and one decode goes, op by op (CPU: wall time of
+/// each backend op; CUDA: event time of each kernel).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Breakdown {
+    /// The current screenshot through the tower and the pass-1 prompt to its first token (history
+    /// screenshots cached, no prefix reuse), slowest first.
+    pub prefill: Vec<OpRow>,
+    /// The decode steps after the first token, slowest first.
+    pub decode: Vec<OpRow>,
+    /// Wall time of the prefill phase, seconds. The ops' sum is at most this; the rest is host work
+    /// and launch overhead.
+    pub prefill_wall_s: f64,
+    /// Wall time of the decode phase, seconds.
+    pub decode_wall_s: f64,
+    /// Prompt tokens of the prefill.
+    pub prefill_tokens: usize,
+    /// Decode steps profiled.
+    pub decode_steps: usize,
+    /// The profiled run's tokens equal plain pass 1's.
+    pub identical: bool,
+}
+
+/// The backend's step counters ([`crate::backend::StepStats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepCounts {
+    pub recorded: usize,
+    pub replayed: usize,
+    pub direct: usize,
+}
+
+impl From<crate::backend::StepStats> for StepCounts {
+    fn from(s: crate::backend::StepStats) -> Self {
+        StepCounts {
+            recorded: s.recorded,
+            replayed: s.replayed,
+            direct: s.direct,
+        }
+    }
+}
+
+/// `--step-replay`: the setting, the backend's step counters and the replay on/off comparison.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ReplayReport {
+    /// Step replay was on during the measurements.
+    pub enabled: bool,
+    /// Decode ms/token of the measurements (the decode row).
+    pub ms_per_token: f64,
+    /// Decode ms/token of the plain pass 1 run once more with replay off (only when enabled).
+    pub off_ms_per_token: Option<f64>,
+    /// That run's tokens equal the plain pass 1's with replay on (only when enabled).
+    pub identical: Option<bool>,
+    /// The step counters after the measurements (before the replay-off run).
+    pub steps: StepCounts,
+}
+
 /// Everything [`run_bench`] measured.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct BenchReport {
@@ -342,6 +428,12 @@ pub struct BenchReport {
     pub decode: DecodeRow,
     pub causalcache: Vec<StepRow>,
     pub scopemem: Vec<StepRow>,
+    /// Step replay and its on/off check.
+    #[serde(default)]
+    pub replay: ReplayReport,
+    /// The per-op profile (`--breakdown`).
+    #[serde(default)]
+    pub breakdown: Option<Breakdown>,
     /// Every identical flag is true.
     pub all_identical: bool,
     /// Wall time of the whole bench, weights included.
@@ -366,6 +458,12 @@ impl BenchReport {
                 .iter()
                 .map(|r| (format!("scopemem {}", r.name), r.identical)),
         );
+        if let Some(same) = self.replay.identical {
+            v.push(("decode with step replay vs without".into(), same));
+        }
+        if let Some(b) = &self.breakdown {
+            v.push(("breakdown run".into(), b.identical));
+        }
         v
     }
 
@@ -376,7 +474,7 @@ impl BenchReport {
 
     /// A plain-text table of the results.
     pub fn to_table(&self) -> String {
-        let yes = |b: bool| if b { "yes" } else { "NO" };
+        let yes = yes_no;
         let s = &self.shapes;
         let mut o = String::new();
         let mut line = |t: String| {
@@ -458,6 +556,7 @@ impl BenchReport {
             d.gbs,
             d.context
         ));
+        line(self.replay.line());
         line(String::new());
         line(format!(
             "{:<24} {:>8} {:>9} {:>9} {:>8} {:>9} {:>9} {:>9} {:>6} {:>7} {:>7} {:>6}  identical",
@@ -492,6 +591,10 @@ impl BenchReport {
                 yes(r.identical)
             ));
         }
+        if let Some(b) = &self.breakdown {
+            line(String::new());
+            b.lines().into_iter().for_each(&mut line);
+        }
         line(String::new());
         line(format!(
             "identical greedy output on every path: {}   (wall {:.1} s)",
@@ -500,6 +603,90 @@ impl BenchReport {
         ));
         o
     }
+}
+
+fn yes_no(b: bool) -> &'static str {
+    if b {
+        "yes"
+    } else {
+        "NO"
+    }
+}
+
+impl ReplayReport {
+    /// One line: the setting, the step counters and, when on, both decode rates and the comparison.
+    fn line(&self) -> String {
+        let s = &self.steps;
+        let counts = format!(
+            "recorded {}, replayed {}, direct {}",
+            s.recorded, s.replayed, s.direct
+        );
+        match (self.off_ms_per_token, self.identical) {
+            (Some(off), Some(same)) => format!(
+                "step replay on ({counts}): decode {:.3} ms/token with replay, {off:.3} without; \
+                 replay identical: {}",
+                self.ms_per_token,
+                yes_no(same)
+            ),
+            _ => format!(
+                "step replay {} ({counts})",
+                if self.enabled { "on" } else { "off" }
+            ),
+        }
+    }
+}
+
+impl Breakdown {
+    /// The two phase tables.
+    fn lines(&self) -> Vec<String> {
+        let mut v =
+            vec!["per-op breakdown (--breakdown; CPU: op wall time, CUDA: kernel event time)".to_string()];
+        v.extend(phase_lines(
+            &format!(
+                "prefill: current screenshot + {} prompt tokens to the first token",
+                self.prefill_tokens
+            ),
+            self.prefill_wall_s,
+            &self.prefill,
+        ));
+        v.extend(phase_lines(
+            &format!("decode: {} steps", self.decode_steps),
+            self.decode_wall_s,
+            &self.decode,
+        ));
+        v
+    }
+}
+
+/// A phase's header (wall time, sum of the op times, the gap) and one row per op.
+fn phase_lines(title: &str, wall_s: f64, ops: &[OpRow]) -> Vec<String> {
+    let sum: f64 = ops.iter().map(|o| o.seconds).sum();
+    let pct = |s: f64| 100.0 * ratio(s, wall_s);
+    let w = ops.iter().map(|o| o.op.len()).max().unwrap_or(0).max(24);
+    let mut v = vec![
+        format!(
+            "{title}: wall {:.3} ms, ops {:.3} ms ({:.1}%), gap {:.3} ms (host work, launch overhead)",
+            wall_s * 1e3,
+            sum * 1e3,
+            pct(sum),
+            (wall_s - sum) * 1e3
+        ),
+        format!(
+            "  {:<w$} {:>8} {:>10} {:>8} {:>10}",
+            "op", "calls", "total ms", "% phase", "us/call"
+        ),
+    ];
+    v.extend(ops.iter().map(|o| {
+        format!(
+            "  {:<w$} {:>8} {:>10.3} {:>8.1} {:>10.1}",
+            o.op,
+            o.calls,
+            o.seconds * 1e3,
+            pct(o.seconds),
+            o.seconds * 1e6 / o.calls.max(1) as f64
+        )
+    }));
+    v
 }
 
 fn ratio(a: f64, b: f64) -> f64 {
@@ -1226,6 +1413,17 @@ struct Gen {
     accepted: usize,
 }
 
+impl Gen {
+    /// Time after the first token per decode step (0 without decode steps).
+    fn decode_ms_per_token(&self) -> f64 {
+        if self.decode_steps == 0 {
+            0.0
+        } else {
+            (self.total_ms - self.prefill_ms) / self.decode_steps as f64
+        }
+    }
+}
+
 struct Ctx<'a, B: Backend> {
     be: &'a B,
     sync: &'a dyn Fn() -> Result<()>,
@@ -1274,8 +1472,31 @@ impl<B: Backend> Ctx<'_, B> {
         max_tokens: usize,
         draft: Vec<u32>,
     ) -> Result<Gen> {
+        self.generate_with(engine, prompt, max_tokens, draft, &mut |_| Ok(()))
+    }
+
+    /// Tokens of a prompt.
+    fn prompt_len(&self, prompt: &Prompt) -> Result<usize> {
         let pad = self.model.config.image_token_id.unwrap_or(0);
-        let prompt_len = prompt.flatten(pad, self.merge)?.ids.len();
+        Ok(prompt.flatten(pad, self.merge)?.ids.len())
+    }
+
+    /// Engine steps of a lone request's prefill of `tokens` tokens: chunks of min(chunk, batch).
+    fn prefill_steps(&self, tokens: usize) -> usize {
+        let per = self.args.chunk_size.min(self.args.max_batch_tokens).max(1);
+        tokens.div_ceil(per)
+    }
+
+    /// [`generate`](Self::generate), calling `after_step(n)` after the `n`-th engine step (from 1).
+    fn generate_with(
+        &self,
+        engine: &mut Engine<'_, B>,
+        prompt: &Prompt,
+        max_tokens: usize,
+        draft: Vec<u32>,
+        after_step: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<Gen> {
+        let prompt_len = self.prompt_len(prompt)?;
         let draft_len = draft.len().min(max_tokens);
         let params = GenerateParams {
             max_tokens,
@@ -1292,6 +1513,7 @@ impl<B: Backend> Ctx<'_, B> {
         let out = loop {
             let done = engine.step()?;
             ends.push(ms(clock));
+            after_step(ends.len())?;
             if let Some(o) = done.into_iter().find(|o| o.id == id) {
                 break o;
             }
@@ -1312,10 +1534,8 @@ impl<B: Backend> Ctx<'_, B> {
         };
         // A lone request is scheduled in chunks of min(chunk, batch) tokens until prompt and draft are
         // computed, then one token per step.
-        let per = self.args.chunk_size.min(self.args.max_batch_tokens).max(1);
-        let prefill_steps = (prompt_len + draft_len)
-            .saturating_sub(out.reused_tokens)
-            .div_ceil(per)
+        let prefill_steps = self
+            .prefill_steps((prompt_len + draft_len).saturating_sub(out.reused_tokens))
             .clamp(1, ends.len());
         Ok(Gen {
             tokens,
@@ -1422,6 +1642,7 @@ fn bench_backend<B: Backend>(
     };
     let text = &model.config.text;
     let reps = args.repeats;
+    be.set_step_replay(args.step_replay);
 
     // Warm-up (kernels, GEMM plans, allocator): one short generation of the pass-1 prompt.
     {
@@ -1594,6 +1815,13 @@ fn bench_backend<B: Backend>(
         floor_ms: bytes / 1e6 / args.peak_gbs,
     };
 
+    let replay = replay_check(&ctx, &prompt1, &ref1, decode_ms)?;
+    let breakdown = if args.breakdown {
+        Some(breakdown_run(&ctx, &prompt1, &ref1)?)
+    } else {
+        None
+    };
+
     // Prefill identity: the first token of every prefill equals pass 1's.
     let first = ref1.first().copied();
     let prefill: Vec<PrefillRow> = prefill
@@ -1605,8 +1833,10 @@ fn bench_backend<B: Backend>(
         .collect();
     let causalcache: Vec<StepRow> = causal.into_iter().map(|r| r.row).collect();
     let scopemem: Vec<StepRow> = scopemem.into_iter().map(|r| r.row).collect();
-    let all_identical =
-        prefill.iter().all(|r| r.identical) && causalcache.iter().chain(&scopemem).all(|r| r.identical);
+    let all_identical = prefill.iter().all(|r| r.identical)
+        && causalcache.iter().chain(&scopemem).all(|r| r.identical)
+        && replay.identical != Some(false)
+        && breakdown.as_ref().is_none_or(|b| b.identical);
     Ok(BenchReport {
         backend: args.backend.clone(),
         device,
@@ -1644,6 +1874,8 @@ fn bench_backend<B: Backend>(
         decode,
         causalcache,
         scopemem,
+        replay,
+        breakdown,
         all_identical,
         wall_s: 0.0,
     })
@@ -1670,13 +1902,7 @@ fn step_row(
     let matches_ref = reference.is_none_or(|(p1, p2)| &first.pass1.tokens == p1 && &first.pass2.tokens == p2);
     let pass1_ms = m(&|r| r.pass1.total_ms);
     let pass2_ms = m(&|r| r.pass2.total_ms);
-    let decode = m(&|r| {
-        if r.pass1.decode_steps == 0 {
-            0.0
-        } else {
-            (r.pass1.total_ms - r.pass1.prefill_ms) / r.pass1.decode_steps as f64
-        }
-    });
+    let decode = m(&|r| r.pass1.decode_ms_per_token());
     RowAndDecode {
         row: StepRow {
             name: name.to_string(),
@@ -1699,6 +1925,102 @@ fn step_row(
         },
         pass1_decode_ms_per_token: decode,
     }
+}
+
+/// The step's pass 1 on a fresh engine without prefix reuse, every screenshot cached (the decode
+/// of the plain variant's pass 1).
+fn plain_pass1<B: Backend>(ctx: &Ctx<'_, B>, prompt: &Prompt) -> Result<Gen> {
+    let mut e = ctx.engine(false)?;
+    ctx.add_images(&mut e, 1..=ctx.args.history + 1)?;
+    ctx.generate(&mut e, prompt, ctx.args.response_tokens, Vec::new())
+}
+
+/// `--step-replay`: the backend's step counters after the measurements and, when replay is on, the
+/// plain pass 1 once more with it off, its decode rate and whether its tokens equal `reference`
+/// (the plain pass 1 with replay on).
+fn replay_check<B: Backend>(
+    ctx: &Ctx<'_, B>,
+    prompt: &Prompt,
+    reference: &[u32],
+    ms_per_token: f64,
+) -> Result<ReplayReport> {
+    let mut report = ReplayReport {
+        enabled: ctx.args.step_replay,
+        ms_per_token,
+        off_ms_per_token: None,
+        identical: None,
+        steps: ctx.be.step_stats().into(),
+    };
+    if ctx.args.step_replay {
+        ctx.be.set_step_replay(false);
+        let off = plain_pass1(ctx, prompt);
+        ctx.be.set_step_replay(true);
+        let off = off?;
+        report.off_ms_per_token = Some(off.decode_ms_per_token());
+        report.identical = Some(off.tokens == reference);
+    }
+    Ok(report)
+}
+
+/// `--breakdown`: the plain pass 1 once more with profiling on, the history screenshots cached.
+/// Phase 1 (prefill): the current screenshot through the tower and the prompt to its first token;
+/// phase 2 (decode): the remaining tokens. Each phase ends with a sync before its profile is taken.
+fn breakdown_run<B: Backend>(ctx: &Ctx<'_, B>, prompt: &Prompt, reference: &[u32]) -> Result<Breakdown> {
+    let mut e = ctx.engine(false)?;
+    ctx.add_images(&mut e, 1..=ctx.args.history)?;
+    let prefill_tokens = ctx.prompt_len(prompt)?;
+    ctx.be.set_profiling(true);
+    let run = profiled_phases(ctx, &mut e, prompt, ctx.prefill_steps(prefill_tokens).max(1));
+    ctx.be.set_profiling(false);
+    let (prefill, decode, gen) = run?;
+    Ok(Breakdown {
+        prefill_wall_s: prefill.0,
+        prefill: prefill.1,
+        decode_wall_s: decode.0,
+        decode: decode.1,
+        prefill_tokens,
+        decode_steps: gen.decode_steps,
+        identical: gen.tokens == reference,
+    })
+}
+
+/// A phase's wall seconds and op times.
+type Phase = (f64, Vec<OpRow>);
+
+/// The profiled generation of [`breakdown_run`], split after `prefill_steps` engine steps.
+fn profiled_phases<B: Backend>(
+    ctx: &Ctx<'_, B>,
+    e: &mut Engine<'_, B>,
+    prompt: &Prompt,
+    prefill_steps: usize,
+) -> Result<(Phase, Phase, Gen)> {
+    // Synchronised wall time since `start`, then the profile (which may wait for device events).
+    let end_phase = |start: Instant| -> Result<Phase> {
+        (ctx.sync)()?;
+        let wall = start.elapsed().as_secs_f64();
+        let ops = ctx.be.take_profile()?.into_iter().map(OpRow::from).collect();
+        Ok((wall, ops))
+    };
+    end_phase(Instant::now())?; // drops anything from before the phase
+    let t = ctx.args.history + 1;
+    let clock = Instant::now();
+    e.add_image(image_hash(ctx.args.seed, t), &ctx.images[t - 1])?;
+    let mut prefill = None;
+    let mut decode_start = clock;
+    let gen = ctx.generate_with(e, prompt, ctx.args.response_tokens, Vec::new(), &mut |step| {
+        if step == prefill_steps {
+            prefill = Some(end_phase(clock)?);
+            decode_start = Instant::now();
+        }
+        Ok(())
+    })?;
+    let decode = end_phase(decode_start)?;
+    let prefill = prefill.ok_or_else(|| {
+        Error::InvalidRequest(format!(
+            "bench breakdown: the generation ended before its {prefill_steps} prefill steps"
+        ))
+    })?;
+    Ok((prefill, decode, gen))
 }
 
 /// The selector (reference-mode beam search over a random 64-unit scorer) on a synthetic decision

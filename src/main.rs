@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
+use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Parser, Subcommand};
 use recall::agent::causalcache::{
     make_policy, run_episode, steps_table, utility_labels, PolicyChoice, TwoPassConfig,
@@ -170,6 +171,14 @@ enum Command {
         /// Fewer variants (for a short device call).
         #[arg(long)]
         quick: bool,
+        /// Also profile one prefill and one decode per op (CPU) or kernel (CUDA).
+        #[arg(long)]
+        breakdown: bool,
+        /// Step recording/replay (CUDA graphs) during the measurements: on or off. With on, the decode
+        /// also runs once with it off and the outputs are compared.
+        #[arg(long, default_value = "on", action = clap::ArgAction::Set,
+              value_parser = PossibleValuesParser::new(["on", "off"]).map(|s| s == "on"))]
+        step_replay: bool,
         /// A CPU-sized run (tiny shapes).
         #[arg(long)]
         tiny: bool,
@@ -431,6 +440,8 @@ fn main() -> Result<()> {
             weights_dir,
             json_out,
             quick,
+            breakdown,
+            step_replay,
             tiny,
         } => {
             let mut a = if tiny {
@@ -454,6 +465,8 @@ fn main() -> Result<()> {
             a.weights_dir = weights_dir.or(a.weights_dir);
             a.json_out = json_out.or(a.json_out);
             a.quick |= quick;
+            a.breakdown = breakdown;
+            a.step_replay = step_replay;
             let report = run_bench(&a)?;
             print!("{}", report.to_table());
         }

@@ -1,10 +1,12 @@
 //! `recall::bench` end to end on the CPU backend with the tiny Qwen3-VL config: random weights,
-//! every measurement, and every optimised path's greedy output identical to the plain path's. Timings
-//! are only checked to be positive (no thresholds).
+//! every measurement, and every optimised path's greedy output identical to the plain path's (step
+//! replay on and off included). Timings are only checked to be positive (no thresholds), except that
+//! the per-op profile of `--breakdown` sums to at most its phase's wall time: the ops run inside it.
 
 use std::path::Path;
 
 use recall::bench::{run_bench, BenchArgs, BenchReport, GridSpec, LayoutRun};
+use serde_json::Value;
 
 fn fixture() -> &'static Path {
     Path::new(concat!(
@@ -71,8 +73,48 @@ fn check(report: &BenchReport) {
     assert_eq!(images, s.budget + 1);
     let table = report.to_table();
     assert!(table.contains("identical") && !table.contains(" NO"), "{table}");
-    let json: serde_json::Value = serde_json::from_str(&report.to_json().unwrap()).unwrap();
-    assert_eq!(json["all_identical"], serde_json::Value::Bool(true));
+    let json: Value = serde_json::from_str(&report.to_json().unwrap()).unwrap();
+    assert_eq!(json["all_identical"], Value::Bool(true));
+    // Step replay (a no-op on the CPU): with it on, the decode also ran with it off, same tokens.
+    let replay = &json["replay"];
+    assert_eq!(replay["enabled"], Value::Bool(report.replay.enabled));
+    if report.replay.enabled {
+        assert_eq!(replay["identical"], Value::Bool(true), "{replay}");
+        assert!(replay["off_ms_per_token"].as_f64().unwrap() > 0.0, "{replay}");
+        assert!(table.contains("replay identical: yes"), "{table}");
+    } else {
+        assert!(
+            replay["identical"].is_null() && table.contains("step replay off"),
+            "{table}"
+        );
+    }
+}
+
+/// The `--breakdown` JSON: per phase, ops that include `linear` and `paged_attention`, positive
+/// counts and times, and a sum of op times within the phase's wall time.
+fn check_breakdown(json: &Value) {
+    let b = &json["breakdown"];
+    for phase in ["prefill", "decode"] {
+        let ops = b[phase]
+            .as_array()
+            .unwrap_or_else(|| panic!("no {phase} breakdown: {b}"));
+        let name = |o: &Value| o["op"].as_str().unwrap().to_string();
+        let names: Vec<String> = ops.iter().map(name).collect();
+        for op in ["linear", "paged_attention"] {
+            assert!(names.iter().any(|n| n == op), "{phase}: no {op} in {names:?}");
+        }
+        for o in ops {
+            assert!(
+                o["calls"].as_u64().unwrap() > 0 && o["seconds"].as_f64().unwrap() >= 0.0,
+                "{o}"
+            );
+        }
+        let sum: f64 = ops.iter().map(|o| o["seconds"].as_f64().unwrap()).sum();
+        let wall = b[format!("{phase}_wall_s")].as_f64().unwrap();
+        assert!(sum > 0.0 && sum <= wall, "{phase}: ops {sum} s vs wall {wall} s");
+    }
+    assert!(b["decode_steps"].as_u64().unwrap() > 0);
+    assert_eq!(b["identical"], Value::Bool(true));
 }
 
 #[test]
@@ -82,17 +124,22 @@ fn tiny_bench_on_cpu() {
     let args = BenchArgs {
         weights_dir: Some(dir.path().to_path_buf()),
         json_out: Some(json.clone()),
+        breakdown: true,
         ..BenchArgs::tiny(fixture())
     };
     let report = run_bench(&args).unwrap();
     println!("{}", report.to_table());
     check(&report);
-    let back: BenchReport = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let text = std::fs::read_to_string(&json).unwrap();
+    check_breakdown(&serde_json::from_str(&text).unwrap());
+    assert!(report.to_table().contains("per-op breakdown"));
+    let back: BenchReport = serde_json::from_str(&text).unwrap();
     // For checking tools/hf_bench.py --layout-json by hand.
     if let Ok(keep) = std::env::var("RECALL_BENCH_JSON") {
         std::fs::copy(&json, keep).unwrap();
     }
     assert_eq!(back.shapes, report.shapes);
+    assert_eq!(back.breakdown, report.breakdown);
     // Only the JSON is left behind: the random weights are deleted.
     let left: Vec<_> = std::fs::read_dir(dir.path())
         .unwrap()
@@ -115,9 +162,11 @@ fn depth_override_chunking_and_pixel_grid() {
         chunk_size: 7,
         max_batch_tokens: 7,
         quick: true,
+        step_replay: false,
         ..BenchArgs::tiny(fixture())
     };
     let report = run_bench(&args).unwrap();
+    assert!(report.breakdown.is_none() && !report.replay.enabled);
     assert_eq!(report.layers, 2);
     assert_eq!(report.shapes.grid, [1, 4, 6]);
     check(&report);

@@ -9,11 +9,14 @@
 # The recall command it runs (clap flags = BenchArgs field names in kebab-case):
 #   .device-bin/recall bench --backend cuda --config-dir models/qwen3-vl-8b-instruct --budget 4 \
 #       --grid 1x80x128 --history 8 --response-tokens 64 --repeats 1 --quick \
-#       --chunk-size 4096 --max-batch-tokens 8192 --weights-dir /dev/shm --json-out $OUT/recall.json
+#       --chunk-size 4096 --max-batch-tokens 8192 --weights-dir /dev/shm --json-out $OUT/recall.json \
+#       --breakdown --step-replay on
+# (--breakdown: per-kernel CUDA-event times of one more prefill and decode, and their sum against the
+# wall time; --step-replay on: CUDA graphs on, plus one decode with them off, outputs compared.)
 #
 # Sizes are env vars (defaults: the issue's B=4 step with 2560-token screenshots, 8B shape):
 #   CONFIG BUDGET GRID HISTORY RESPONSE LAYERS REPEATS QUICK CHUNK MAX_BATCH SYSTEM_TOKENS STEP_TOKENS
-#   WEIGHTS_DIR  RECALL_TIMEOUT (s, 330)  HF_TIMEOUT (s, 200)  HF_MODES (eager,static)  HF_REPEATS (1)
+#   WEIGHTS_DIR  BREAKDOWN (1)  STEP_REPLAY (on|off)  RECALL_TIMEOUT (s, 330)  HF_TIMEOUT (s, 200)  HF_MODES (eager,static)  HF_REPEATS (1)
 #   SKIP_RECALL=1 / SKIP_HF=1
 # Must end inside ~9 minutes: the 8B weights are written (17.5 GB, to /dev/shm when it has room) and
 # loaded; HF compiles its decode step (~1-1.5 min). If the recall part runs long, use LAYERS=18 (the
@@ -31,12 +34,15 @@ if [ "${1:-}" = build ]; then
     mkdir -p "$bin"
     cp target/release/recall "$bin/recall"
     strip --strip-debug "$bin/recall"
+    tools/device/pack.sh recall # xz: with the test binaries it must fit the 64 MiB carry
     { git rev-parse HEAD 2>/dev/null || echo unknown; git status --porcelain 2>/dev/null | grep -q . && echo "(dirty)"; } \
         | paste -sd' ' >"$bin/COMMIT"
     ls -la "$bin"
     exit 0
 fi
 
+# shellcheck source=tools/device/unpack.sh
+source tools/device/unpack.sh
 cuda=${CUDA_HOME:-/usr/local/cuda-13.0}/targets/x86_64-linux
 export RECALL_CUDA_LIB_DIR=${RECALL_CUDA_LIB_DIR:-$cuda/lib}
 export RECALL_CUDA_INCLUDE=${RECALL_CUDA_INCLUDE:-$cuda/include}
@@ -57,6 +63,8 @@ CHUNK=${CHUNK:-4096}
 MAX_BATCH=${MAX_BATCH:-8192}
 SYSTEM_TOKENS=${SYSTEM_TOKENS:-1819}
 STEP_TOKENS=${STEP_TOKENS:-28}
+BREAKDOWN=${BREAKDOWN:-1}
+STEP_REPLAY=${STEP_REPLAY:-on}
 RECALL_TIMEOUT=${RECALL_TIMEOUT:-330}
 HF_TIMEOUT=${HF_TIMEOUT:-200}
 HF_MODES=${HF_MODES:-eager,static}
@@ -75,7 +83,7 @@ log=$dir/bench.log
     echo "date:   $(date -u +%Y-%m-%dT%H:%M:%SZ)"
     echo "commit: $(cat "$bin/COMMIT" 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)"
     echo "gpu:    $(nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader 2>&1 | head -1)"
-    echo "sizes:  config=$CONFIG B=$BUDGET grid=$GRID history=$HISTORY response=$RESPONSE layers=${LAYERS:-all} repeats=$REPEATS quick=$QUICK chunk=$CHUNK weights=$WEIGHTS_DIR"
+    echo "sizes:  config=$CONFIG B=$BUDGET grid=$GRID history=$HISTORY response=$RESPONSE layers=${LAYERS:-all} repeats=$REPEATS quick=$QUICK chunk=$CHUNK weights=$WEIGHTS_DIR breakdown=$BREAKDOWN step-replay=$STEP_REPLAY"
 } | tee -a "$log"
 
 layer_args=()
@@ -87,10 +95,12 @@ if [ "${SKIP_RECALL:-0}" != 1 ]; then
     else
         quick_args=()
         [ "$QUICK" = 1 ] && quick_args=(--quick)
+        [ "$BREAKDOWN" = 1 ] && quick_args+=(--breakdown)
         cmd=("$bin/recall" bench --backend cuda --config-dir "$CONFIG" --budget "$BUDGET" --grid "$GRID"
             --history "$HISTORY" --response-tokens "$RESPONSE" --system-tokens "$SYSTEM_TOKENS"
             --step-tokens "$STEP_TOKENS" --repeats "$REPEATS" --chunk-size "$CHUNK"
             --max-batch-tokens "$MAX_BATCH" --weights-dir "$WEIGHTS_DIR" --json-out "$dir/recall.json"
+            --step-replay "$STEP_REPLAY"
             "${layer_args[@]}" "${quick_args[@]}")
         echo "== recall: ${cmd[*]}" | tee -a "$log"
         t0=$(date +%s)
@@ -164,6 +174,17 @@ row("two-pass, oracle draft (ms)", orc.get("total_ms"), two(he), two(hs))
 for s in (r or {}).get("scopemem", []):
     row(f"{s['name']} step (ms)", s.get("total_ms"), two(he), two(hs))
 
+def breakdown(b, top=8):
+    # The top kernels per phase and the gap (host work, launch overhead) between their sum and the wall.
+    for phase in ("prefill", "decode"):
+        ops, wall = b.get(phase) or [], b.get(f"{phase}_wall_s") or 0.0
+        total = sum(o["seconds"] for o in ops)
+        share = lambda s: f"{100 * s / wall:.1f}%" if wall else "-"
+        print(f"breakdown {phase}: wall {wall * 1e3:.2f} ms, kernels {total * 1e3:.2f} ms ({share(total)}), "
+              f"gap {(wall - total) * 1e3:.2f} ms (host work, launch overhead); top {min(top, len(ops))}:")
+        for o in ops[:top]:
+            print(f"    {o['op'][:60]:60} {o['seconds'] * 1e3:9.2f} ms {o['calls']:>7}x {share(o['seconds']):>6}")
+
 head = ("measurement", "recall", "HF eager", "HF static", "vs eager", "vs static", "floor", "vs floor", "target")
 w = [max(len(str(x[i])) for x in rows + [head]) for i in range(len(head))]
 print()
@@ -180,6 +201,15 @@ if h:
           + "".join(f"; {k} ERROR {v['error']}" for k, v in hm.items() if "error" in v))
 else:
     print("HF: no result (see bench.log)")
+rp = (r or {}).get("replay") or {}
+if rp.get("off_ms_per_token") is not None:
+    print(f"step replay on (recorded {rp['steps']['recorded']}, replayed {rp['steps']['replayed']}, direct "
+          f"{rp['steps']['direct']}): decode {rp['ms_per_token']:.3f} ms/token with replay, "
+          f"{rp['off_ms_per_token']:.3f} without; replay identical: {'yes' if rp.get('identical') else 'NO'}")
+elif rp:
+    print(f"step replay {'on' if rp.get('enabled') else 'off'} ({rp.get('steps')})")
+if (r or {}).get("breakdown"):
+    breakdown(r["breakdown"])
 print("floor column: recall's FLOP/byte counts over 790 TFLOP/s and 4.2 TB/s (docs/BENCH.md)"
       + ("; DESIGN.md quotes 0.4 s prefill, 4.7 ms/token for this shape" if full
          else "; other shape than the issue's: its targets do not apply"))
@@ -189,6 +219,10 @@ for x in rows:
 if r:
     flags = [(p["name"], p["identical"]) for p in r["prefill"]] + \
             [(s["name"], s["identical"]) for s in r["causalcache"] + r["scopemem"]]
+    if (r.get("replay") or {}).get("identical") is not None:
+        flags.append(("replay on vs off", r["replay"]["identical"]))
+    if r.get("breakdown"):
+        flags.append(("breakdown run", r["breakdown"]["identical"]))
     print("identical greedy output: " + ("yes" if r["all_identical"] else "NO") + "  (" +
           ", ".join(f"{n}: {'yes' if ok else 'NO'}" for n, ok in flags) + ")")
 EOF

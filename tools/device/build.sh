@@ -14,8 +14,9 @@ flags=()
 [ "$(uname -m)" = x86_64 ] || { echo "build.sh: the device is x86-64; this machine is $(uname -m)" >&2; exit 1; }
 
 mkdir -p "$out"
-rm -f "$out"/cuda_ops "$out"/kernel_compile
-cargo test "${flags[@]}" --no-run --test cuda_ops --test kernel_compile --message-format=json \
+tests=(cuda_ops cuda_flash cuda_decode cuda_fused cuda_graphs kernel_compile)
+for t in "${tests[@]}"; do rm -f "$out/$t"; done
+cargo test "${flags[@]}" --no-run $(printf -- "--test %s " "${tests[@]}") --message-format=json \
     | python3 -c '
 import json, shutil, sys
 out = sys.argv[1]
@@ -31,7 +32,9 @@ for line in sys.stdin:
         print(f"{exe} -> {dst}")
 ' "$out"
 # Debug info would take the binaries past the device tool's 64 MiB carry limit.
-strip --strip-debug "$out"/cuda_ops "$out"/kernel_compile
+for t in "${tests[@]}"; do strip --strip-debug "$out/$t"; done
+# Compressed: all of .device-bin must stay under the 64 MiB carry limit (check.sh unpacks).
+tools/device/pack.sh "${tests[@]}"
 # The tests find fixtures through the manifest dir baked in at build time; check.sh links it there.
 pwd >"$out/MANIFEST_DIR"
 { git rev-parse HEAD 2>/dev/null || echo unknown; git status --porcelain 2>/dev/null | grep -q . && echo "(dirty)"; } \

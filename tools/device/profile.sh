@@ -6,9 +6,9 @@
 # Here:        tools/device/bench.sh build                  # .device-bin/recall
 # Device call: carry [".device-bin"], timeout_s 400, command "bash tools/device/profile.sh"
 #
-# Env: CONFIG (models/qwen3-vl-8b-instruct) LAYERS (2) GRID (1x32x32) BUDGET (2) HISTORY (3)
-#      RESPONSE (8) SKIP (launches skipped first, 0) COUNT (launches profiled, 2000) TIMEOUT (s, 360)
-#      PROFILER (ncu | nsys)
+# Env: CONFIG (models/qwen3-vl-8b-instruct) LAYERS (3: the fewest that take the 8B tower's 3 deepstack
+#      features) GRID (1x32x32) BUDGET (2) HISTORY (3) RESPONSE (8) SKIP (launches skipped first, 0)
+#      COUNT (launches profiled, 2000) TIMEOUT (s, 360) PROFILER (ncu | nsys)
 # Output: $OUT/profile.ncu-rep (or .nsys-rep), $OUT/profile-kernels.csv (raw rows), $OUT/profile.log;
 # prints the per-kernel summary last (launches, total and mean time, share, DRAM and SM throughput in
 # % of peak, tensor-pipe activity). Under ncu every launch is serialised and replayed, so times are
@@ -24,7 +24,7 @@ export RECALL_KERNEL_CACHE=${RECALL_KERNEL_CACHE:-/tmp/recall-kernels}
 export LD_LIBRARY_PATH=$RECALL_CUDA_LIB_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
 CONFIG=${CONFIG:-models/qwen3-vl-8b-instruct}
-LAYERS=${LAYERS:-2}
+LAYERS=${LAYERS:-3}
 GRID=${GRID:-1x32x32}
 BUDGET=${BUDGET:-2}
 HISTORY=${HISTORY:-3}
@@ -36,6 +36,8 @@ PROFILER=${PROFILER:-ncu}
 dir=${OUT:-/tmp/recall-profile-out}
 mkdir -p "$dir"
 log=$dir/profile.log
+# shellcheck source=tools/device/unpack.sh
+source tools/device/unpack.sh
 [ -x "$bin/recall" ] || { echo "missing $bin/recall: run 'tools/device/bench.sh build' here and carry .device-bin" >&2; exit 2; }
 weights=/tmp
 [ -d /dev/shm ] && weights=/dev/shm

@@ -6,13 +6,14 @@
 //! output blocks, which does not change any row's order of operations.
 
 mod ops;
+mod profile;
 
 use std::sync::Arc;
 
 use rayon::prelude::*;
 
 use super::check::{self, shape_err};
-use super::{AttnShape, Backend, Gelu, PagedSeq};
+use super::{AttnShape, Backend, Gelu, OpTime, PagedSeq};
 use crate::error::{Error, Result};
 use crate::model::loader::{Dtype, MappedFile, TensorRef};
 
@@ -101,7 +102,8 @@ impl CpuWeight {
     }
 }
 
-/// The CPU backend. Stateless; threads come from rayon's global pool.
+/// The CPU backend. Stateless; threads come from rayon's global pool. Profiling
+/// ([`Backend::set_profiling`]) times the ops of the thread that switched it on (see `profile.rs`).
 #[derive(Debug, Default, Clone, Copy)]
 pub struct CpuBackend;
 
@@ -136,6 +138,7 @@ impl Backend for CpuBackend {
     }
 
     fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Result<CpuTensor> {
+        let _op = profile::start("upload");
         if data.len() != rows * cols {
             return Err(shape_err(
                 "upload",
@@ -150,6 +153,7 @@ impl Backend for CpuBackend {
     }
 
     fn download(&self, x: &CpuTensor) -> Result<Vec<f32>> {
+        let _op = profile::start("download");
         Ok(x.data.clone())
     }
 
@@ -158,6 +162,7 @@ impl Backend for CpuBackend {
     }
 
     fn zeros(&self, rows: usize, cols: usize) -> Result<CpuTensor> {
+        let _op = profile::start("zeros");
         Ok(CpuTensor {
             data: vec![0.0; rows * cols],
             rows,
@@ -166,6 +171,7 @@ impl Backend for CpuBackend {
     }
 
     fn rows(&self, x: &CpuTensor, start: usize, len: usize) -> Result<CpuTensor> {
+        let _op = profile::start("rows");
         if start + len > x.rows {
             return Err(shape_err(
                 "rows",
@@ -180,6 +186,7 @@ impl Backend for CpuBackend {
     }
 
     fn embedding(&self, table: &CpuWeight, ids: &[u32]) -> Result<CpuTensor> {
+        let _op = profile::start("embedding");
         let vocab = table.shape[0];
         let cols = table.row_len();
         let mut data = Vec::with_capacity(ids.len() * cols);
@@ -200,11 +207,13 @@ impl Backend for CpuBackend {
     }
 
     fn linear(&self, x: &CpuTensor, w: &CpuWeight, bias: Option<&CpuWeight>) -> Result<CpuTensor> {
+        let _op = profile::start("linear");
         check::linear(x.cols, &w.shape, bias.map(|b| &b.shape[..]))?;
         Ok(ops::linear(x, w, bias))
     }
 
     fn rms_norm(&self, x: &CpuTensor, weight: &CpuWeight, eps: f32) -> Result<CpuTensor> {
+        let _op = profile::start("rms_norm");
         let g = weight.len();
         if g == 0 || x.cols % g != 0 {
             return Err(shape_err(
@@ -222,12 +231,14 @@ impl Backend for CpuBackend {
     }
 
     fn scale(&self, x: &CpuTensor, s: f32) -> Result<CpuTensor> {
+        let _op = profile::start("scale");
         let mut out = x.clone();
         out.data.iter_mut().for_each(|v| *v *= s);
         Ok(out)
     }
 
     fn add(&self, a: &CpuTensor, b: &CpuTensor) -> Result<CpuTensor> {
+        let _op = profile::start("add");
         check::same("add", (a.rows, a.cols), (b.rows, b.cols))?;
         let mut out = a.clone();
         out.data.iter_mut().zip(&b.data).for_each(|(o, b)| *o += b);
@@ -235,6 +246,7 @@ impl Backend for CpuBackend {
     }
 
     fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> Result<CpuTensor> {
+        let _op = profile::start("silu_mul");
         check::same("silu_mul", (gate.rows, gate.cols), (up.rows, up.cols))?;
         let mut out = gate.clone();
         out.data
@@ -245,6 +257,7 @@ impl Backend for CpuBackend {
     }
 
     fn rope(&self, x: &CpuTensor, cos: &CpuTensor, sin: &CpuTensor) -> Result<CpuTensor> {
+        let _op = profile::start("rope");
         check::same("rope", (cos.rows, cos.cols), (sin.rows, sin.cols))?;
         let d = cos.cols;
         if cos.rows != x.rows || d == 0 || d % 2 != 0 || x.cols % d != 0 {
@@ -269,11 +282,13 @@ impl Backend for CpuBackend {
         s: AttnShape,
         seqs: &[PagedSeq<'_>],
     ) -> Result<CpuTensor> {
+        let _op = profile::start("paged_attention");
         check::paged_attention((q.rows, q.cols), (k.rows, k.cols), (v.rows, v.cols), s, seqs)?;
         Ok(ops::paged_attention(q, k, v, s, seqs))
     }
 
     fn layer_norm(&self, x: &CpuTensor, weight: &CpuWeight, bias: &CpuWeight, eps: f32) -> Result<CpuTensor> {
+        let _op = profile::start("layer_norm");
         if weight.len() != x.cols || bias.len() != x.cols {
             return Err(shape_err(
                 "layer_norm",
@@ -293,6 +308,7 @@ impl Backend for CpuBackend {
     }
 
     fn gelu(&self, x: &CpuTensor, kind: Gelu) -> Result<CpuTensor> {
+        let _op = profile::start("gelu");
         let mut out = x.clone();
         match kind {
             Gelu::Tanh => out.data.par_iter_mut().for_each(|v| *v = ops::gelu_tanh(*v)),
@@ -309,6 +325,7 @@ impl Backend for CpuBackend {
         heads: usize,
         cu_seqlens: &[usize],
     ) -> Result<CpuTensor> {
+        let _op = profile::start("attention_segments");
         check::attention_segments(
             (q.rows, q.cols),
             (k.rows, k.cols),
@@ -329,6 +346,7 @@ impl Backend for CpuBackend {
     }
 
     fn gather_rows(&self, x: &CpuTensor, index: &[usize]) -> Result<CpuTensor> {
+        let _op = profile::start("gather_rows");
         if let Some(bad) = index.iter().find(|&&i| i >= x.rows) {
             return Err(shape_err("gather_rows", format!("row {bad} of {}", x.rows)));
         }
@@ -350,6 +368,7 @@ impl Backend for CpuBackend {
         src: &CpuTensor,
         accumulate: bool,
     ) -> Result<()> {
+        let _op = profile::start("scatter_rows");
         check::scatter_rows((dst.rows, dst.cols), index, (src.rows, src.cols))?;
         let c = dst.cols;
         for (r, &i) in index.iter().enumerate() {
@@ -370,6 +389,7 @@ impl Backend for CpuBackend {
         weights: &[f32],
         taps: usize,
     ) -> Result<CpuTensor> {
+        let _op = profile::start("weighted_embedding");
         check::weighted_embedding(&table.shape, indices, weights, taps)?;
         let cols = table.row_len();
         let rows = indices.len() / taps;
@@ -387,6 +407,7 @@ impl Backend for CpuBackend {
     }
 
     fn log_softmax_gather(&self, logits: &CpuTensor, targets: &[u32]) -> Result<Vec<f32>> {
+        let _op = profile::start("log_softmax_gather");
         if targets.len() != logits.rows || targets.iter().any(|&t| t as usize >= logits.cols) {
             return Err(shape_err(
                 "log_softmax_gather",
@@ -407,9 +428,18 @@ impl Backend for CpuBackend {
     }
 
     fn argmax(&self, logits: &CpuTensor) -> Result<Vec<u32>> {
+        let _op = profile::start("argmax");
         if logits.cols == 0 {
             return Err(shape_err("argmax", "zero columns".into()));
         }
         Ok(logits.data.chunks(logits.cols).map(ops::argmax).collect())
+    }
+
+    fn set_profiling(&self, on: bool) {
+        profile::set(on);
+    }
+
+    fn take_profile(&self) -> Result<Vec<OpTime>> {
+        Ok(profile::take())
     }
 }

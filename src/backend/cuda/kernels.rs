@@ -56,6 +56,35 @@ pub const SOURCES: &[KernelSource] = &[
         functions: &["paged_attention_v1", "attn_combine_v1", "attention_segments_v1"],
     },
     KernelSource {
+        name: "flash_attention",
+        source: include_str!("../../../kernels/flash_attention.cu"),
+        functions: &[
+            "flash_attention_d16",
+            "flash_attention_d32",
+            "flash_attention_d48",
+            "flash_attention_d64",
+            "flash_attention_d80",
+            "flash_attention_d96",
+            "flash_attention_d112",
+            "flash_attention_d128",
+        ],
+    },
+    KernelSource {
+        name: "fused",
+        source: include_str!("../../../kernels/fused.cu"),
+        functions: &["qk_norm_rope_write_v1"],
+    },
+    KernelSource {
+        name: "decode_attention",
+        source: include_str!("../../../kernels/decode_attention.cu"),
+        functions: &[
+            "paged_decode_v2_d128",
+            "paged_decode_v2_d128_g16",
+            "paged_decode_v2_d64",
+            "paged_decode_v2_d64_g16",
+        ],
+    },
+    KernelSource {
         name: "reduce",
         source: include_str!("../../../kernels/reduce.cu"),
         functions: &["log_softmax_gather_v1", "argmax_v1"],

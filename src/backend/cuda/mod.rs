@@ -13,6 +13,7 @@
 
 mod blas;
 mod decode;
+mod flash;
 mod fused;
 mod graph;
 pub mod kernels;
@@ -127,6 +128,9 @@ pub struct CudaBackend {
     device_name: String,
     steps: Mutex<graph::Steps>,
     profile: Mutex<Profile>,
+    /// `RECALL_ATTN=v1`: use only the v1 attention kernels (the reference the v2 ones are checked
+    /// against), e.g. to bisect a suspected kernel bug on a device.
+    attn_v1_only: bool,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -220,6 +224,7 @@ impl CudaBackend {
             device_name,
             steps: Mutex::new(graph::Steps::new()),
             profile: Mutex::new(Profile::default()),
+            attn_v1_only: std::env::var("RECALL_ATTN").is_ok_and(|v| v == "v1"),
         })
     }
 
@@ -763,6 +768,19 @@ impl Backend for CudaBackend {
                 format!("head_dim {} (at most {MAX_HEAD_DIM})", s.head_dim),
             ));
         }
+        let decode = seqs.iter().all(|x| x.rows <= 1);
+        // Kernel choice depends only on whether the call is pure decode (as v1's split-K always did):
+        // tensor-core flash attention for anything with prefill rows, split-K for decode batches.
+        if rows > 0 && !self.attn_v1_only {
+            let v2 = if decode {
+                self.paged_decode_v2(q, k, v, s, seqs)?
+            } else {
+                self.paged_attention_flash(q, k, v, s, seqs)?
+            };
+            if let Some(out) = v2 {
+                return Ok(out);
+            }
+        }
         let out = self.alloc_tensor(q.rows, q.cols)?;
         if rows == 0 {
             return Ok(out);
@@ -779,7 +797,6 @@ impl Backend for CudaBackend {
             }
         }
         let max_visible = row_visible.iter().copied().max().unwrap_or(1) as usize;
-        let decode = seqs.iter().all(|x| x.rows <= 1);
         // Split-K for decode rows. Each row picks its own split count from its own context
         // (ceil(visible / DECODE_CHUNK), at most MAX_SPLITS), so its result never depends on the other
         // rows; the grid only has to cover the largest. Inside a recorded step the grid is always
@@ -895,6 +912,11 @@ impl Backend for CudaBackend {
                 "attention_segments",
                 format!("head_dim {} (at most {MAX_HEAD_DIM})", q.cols / heads),
             ));
+        }
+        if q.rows > 0 && !self.attn_v1_only {
+            if let Some(out) = self.attention_segments_flash(q, k, v, heads, cu_seqlens)? {
+                return Ok(out);
+            }
         }
         let out = self.alloc_tensor(q.rows, q.cols)?;
         if q.rows == 0 || q.cols == 0 {
@@ -1050,6 +1072,19 @@ impl Backend for CudaBackend {
         };
         self.launch("argmax_v1", grid_rows(logits.rows, 256, 256), p)?;
         self.dtoh(self.ptr(&out), logits.rows)
+    }
+
+    fn qk_norm_rope_write(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        norms: Option<(&CudaWeight, &CudaWeight, f32)>,
+        tables: (&CudaTensor, &CudaTensor),
+        pools: (&mut CudaTensor, &mut CudaTensor),
+        slots: &[usize],
+    ) -> Result<CudaTensor> {
+        self.qk_norm_rope_write_fused(q, k, v, norms, tables, pools, slots)
     }
 
     /// One `rms_norm_v1` launch that also adds the residual; the sum is rounded to bf16 before

@@ -1,0 +1,337 @@
+//! Decode attention v2 (`CudaBackend::paged_decode_v2`, kernels/decode_attention.cu) against the CPU
+//! reference and against itself:
+//!
+//! - parity: random q/K/V ~ N(0, 1) (rounded to bf16, the values both backends see), one decode row per
+//!   sequence with contexts of 1, 17, 255, 256, 257, 4100 and 20000 tokens in one batch, shuffled block
+//!   tables (one block longer than needed), block sizes 16/32/64, GQA 1:1 to 16:1, head_dim 128 and 64;
+//!   max |GPU − CPU| ≤ 2e-2. Pool slots outside every context hold NaN, so a kernel that reads past a
+//!   context fails; outputs are poisoned with NaN before the kernels write them.
+//! - row independence, bitwise: each row computed alone, and the batch in reverse order, give exactly the
+//!   batch's bits (the split count is the row's own; the grid only covers the largest);
+//! - a recorded and a replayed CUDA graph step (grid fixed at the maximum split count) give the direct
+//!   call's bits;
+//! - `Ok(None)` for calls v2 does not cover (prefill rows, head dims, groups over 16, block sizes that
+//!   are not multiples of 16), errors for malformed calls.
+//!
+//! Every test prints a SKIP line and returns when no GPU, driver, NVRTC or CUDA headers are present.
+#![cfg(feature = "cuda")]
+
+use recall::backend::cpu::{CpuBackend, CpuTensor};
+use recall::backend::cuda::{CudaBackend, CudaTensor};
+use recall::backend::{AttnShape, Backend, PagedSeq, StepKey};
+
+/// Bound on max |GPU − CPU| for inputs ~ N(0, 1).
+const TOL: f32 = 2e-2;
+/// Context lengths of the decode rows of every batch: below, at and past the tile (16), split (128)
+/// and block sizes, and long contexts that hit the split cap (64).
+const CONTEXTS: [usize; 7] = [1, 17, 255, 256, 257, 4100, 20000];
+
+fn gpu() -> Option<CudaBackend> {
+    match CudaBackend::new(0) {
+        Ok(be) => {
+            be.set_poison(true);
+            Some(be)
+        }
+        Err(e) => {
+            eprintln!("SKIP (no usable GPU): {e}");
+            None
+        }
+    }
+}
+
+fn shape(q_heads: usize, kv_heads: usize, head_dim: usize, block_size: usize) -> AttnShape {
+    AttnShape {
+        q_heads,
+        kv_heads,
+        head_dim,
+        block_size,
+    }
+}
+
+/// Standard normal samples (Box–Muller).
+fn normal(rng: &mut fastrand::Rng, n: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(n + 1);
+    while out.len() < n {
+        let u1 = rng.f64().max(1e-300);
+        let u2 = rng.f64();
+        let r = (-2.0 * u1.ln()).sqrt();
+        let a = 2.0 * std::f64::consts::PI * u2;
+        out.push((r * a.cos()) as f32);
+        out.push((r * a.sin()) as f32);
+    }
+    out.truncate(n);
+    out
+}
+
+/// A decode batch (one new row per sequence) over a shuffled pool, on both backends.
+struct Case {
+    shape: AttnShape,
+    contexts: Vec<usize>,
+    tables: Vec<Vec<u32>>,
+    q: (CudaTensor, CpuTensor),
+    k: (CudaTensor, CpuTensor),
+    v: (CudaTensor, CpuTensor),
+}
+
+impl Case {
+    fn new(g: &CudaBackend, rng: &mut fastrand::Rng, shape: AttnShape, contexts: &[usize]) -> Self {
+        let bs = shape.block_size;
+        // One spare block per table (tables may be longer than the context) and a few unused ones.
+        let blocks_per: Vec<usize> = contexts.iter().map(|c| c.div_ceil(bs) + 1).collect();
+        let num_blocks = blocks_per.iter().sum::<usize>() + 3;
+        let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
+        rng.shuffle(&mut ids);
+        let mut tables = Vec::new();
+        let mut next = 0;
+        for &b in &blocks_per {
+            tables.push(ids[next..next + b].to_vec());
+            next += b;
+        }
+        let slots = num_blocks * bs;
+        let kvd = shape.kv_heads * shape.head_dim;
+        // Slots holding some context's keys get data, all others NaN.
+        let mut used = vec![false; slots];
+        for (t, &c) in tables.iter().zip(contexts) {
+            for i in 0..c {
+                used[t[i / bs] as usize * bs + i % bs] = true;
+            }
+        }
+        let pool = |rng: &mut fastrand::Rng| {
+            let mut x = normal(rng, slots * kvd);
+            for (s, row) in x.chunks_mut(kvd).enumerate() {
+                if !used[s] {
+                    row.fill(f32::NAN);
+                }
+            }
+            both(g, &x, slots, kvd)
+        };
+        let (k, v) = (pool(rng), pool(rng));
+        let rows = contexts.len();
+        let q = both(
+            g,
+            &normal(rng, rows * shape.q_heads * shape.head_dim),
+            rows,
+            shape.q_heads * shape.head_dim,
+        );
+        Case {
+            shape,
+            contexts: contexts.to_vec(),
+            tables,
+            q,
+            k,
+            v,
+        }
+    }
+
+    /// The batch's sequences, in `order`.
+    fn seqs(&self, order: &[usize]) -> Vec<PagedSeq<'_>> {
+        order
+            .iter()
+            .map(|&i| PagedSeq {
+                rows: 1,
+                context_len: self.contexts[i],
+                block_table: &self.tables[i],
+            })
+            .collect()
+    }
+
+    fn all(&self) -> Vec<usize> {
+        (0..self.contexts.len()).collect()
+    }
+
+    /// v2 on the rows `order` (q rows gathered in that order); downloaded.
+    fn v2(&self, g: &CudaBackend, order: &[usize]) -> Vec<f32> {
+        let q = g.gather_rows(&self.q.0, order).unwrap();
+        let out = g
+            .paged_decode_v2(&q, &self.k.0, &self.v.0, self.shape, &self.seqs(order))
+            .unwrap()
+            .unwrap_or_else(|| panic!("v2 does not cover {:?}", self.shape));
+        g.download(&out).unwrap()
+    }
+
+    fn cpu(&self) -> Vec<f32> {
+        CpuBackend
+            .paged_attention(
+                &self.q.1,
+                &self.k.1,
+                &self.v.1,
+                self.shape,
+                &self.seqs(&self.all()),
+            )
+            .unwrap()
+            .data
+    }
+}
+
+/// The same data on both backends: uploaded to the GPU (bf16), and the rounded values to the CPU.
+fn both(g: &CudaBackend, data: &[f32], rows: usize, cols: usize) -> (CudaTensor, CpuTensor) {
+    let gpu = g.upload(data, rows, cols).unwrap();
+    let rounded = g.download(&gpu).unwrap();
+    let cpu = CpuBackend.upload(&rounded, rows, cols).unwrap();
+    (gpu, cpu)
+}
+
+/// Max |got − want| per row; panics on NaN.
+fn row_errors(got: &[f32], want: &[f32], cols: usize) -> Vec<f32> {
+    assert_eq!(got.len(), want.len());
+    got.chunks(cols)
+        .zip(want.chunks(cols))
+        .enumerate()
+        .map(|(r, (g, w))| {
+            g.iter().zip(w).enumerate().fold(0f32, |m, (c, (&a, &b))| {
+                assert!(a.is_finite(), "row {r} col {c}: {a} (reference {b})");
+                m.max((a - b).abs())
+            })
+        })
+        .collect()
+}
+
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+#[test]
+fn decode_v2_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut rng = fastrand::Rng::with_seed(11);
+    let shapes = [
+        shape(32, 8, 128, 16), // Qwen3-VL-8B, GQA 4:1
+        shape(32, 8, 128, 64),
+        shape(16, 2, 128, 16), // 8:1
+        shape(8, 8, 128, 32),  // 1:1
+        shape(28, 4, 128, 16), // 7:1 (Qwen2.5-VL-7B)
+        shape(16, 1, 128, 16), // 16:1 (m16 variant)
+        shape(16, 4, 64, 16),  // d 64, 4:1
+        shape(16, 2, 64, 64),  // d 64, 8:1
+        shape(4, 4, 64, 16),   // d 64, 1:1
+        shape(24, 2, 64, 64),  // d 64, 12:1 (m16 variant)
+    ];
+    for s in shapes {
+        let case = Case::new(&g, &mut rng, s, &CONTEXTS);
+        let got = case.v2(&g, &case.all());
+        let errs = row_errors(&got, &case.cpu(), s.q_heads * s.head_dim);
+        eprintln!(
+            "paged_decode_v2 {s:?}: max abs error per context {:?}",
+            CONTEXTS.iter().zip(&errs).collect::<Vec<_>>()
+        );
+        for (c, e) in CONTEXTS.iter().zip(&errs) {
+            assert!(*e <= TOL, "{s:?}, context {c}: max abs error {e} > {TOL}");
+        }
+    }
+}
+
+#[test]
+fn decode_v2_rows_are_independent_bitwise() {
+    let Some(g) = gpu() else { return };
+    let mut rng = fastrand::Rng::with_seed(12);
+    for s in [shape(32, 8, 128, 16), shape(16, 2, 64, 64), shape(16, 1, 128, 32)] {
+        let case = Case::new(&g, &mut rng, s, &CONTEXTS);
+        let cols = s.q_heads * s.head_dim;
+        let batch = case.v2(&g, &case.all());
+        for i in 0..CONTEXTS.len() {
+            let alone = case.v2(&g, &[i]);
+            assert!(
+                same_bits(&alone, &batch[i * cols..(i + 1) * cols]),
+                "{s:?}: the row of context {} differs alone and in the batch",
+                CONTEXTS[i]
+            );
+        }
+        let rev: Vec<usize> = (0..CONTEXTS.len()).rev().collect();
+        let reversed = case.v2(&g, &rev);
+        for (j, &i) in rev.iter().enumerate() {
+            assert!(
+                same_bits(
+                    &reversed[j * cols..(j + 1) * cols],
+                    &batch[i * cols..(i + 1) * cols]
+                ),
+                "{s:?}: the row of context {} differs with the batch reversed",
+                CONTEXTS[i]
+            );
+        }
+    }
+}
+
+#[test]
+fn decode_v2_in_recorded_steps_is_bitwise_direct() {
+    let Some(g) = gpu() else { return };
+    let mut rng = fastrand::Rng::with_seed(13);
+    let s = shape(32, 8, 128, 16);
+    let case = Case::new(&g, &mut rng, s, &[3, 300, 5000]);
+    let order = case.all();
+    let direct = case.v2(&g, &order);
+    g.set_step_replay(true);
+    let key = StepKey {
+        rows: 3,
+        tag: 0xdec0de,
+    };
+    let q = g.gather_rows(&case.q.0, &order).unwrap();
+    for step in 0..3 {
+        let out = g
+            .run_step(key, &mut || {
+                g.paged_decode_v2(&q, &case.k.0, &case.v.0, s, &case.seqs(&order))
+                    .map(|o| o.expect("v2 covers the shape"))
+            })
+            .unwrap();
+        let got = g.download(&out).unwrap();
+        assert!(
+            same_bits(&got, &direct),
+            "step {step} differs from the direct call"
+        );
+    }
+    let stats = g.step_stats();
+    eprintln!("step stats: {stats:?}");
+    g.set_step_replay(false);
+}
+
+#[test]
+fn decode_v2_declines_or_rejects_what_it_does_not_cover() {
+    let Some(g) = gpu() else { return };
+    let table: Vec<u32> = (0..8).collect();
+    let call = |s: AttnShape, seqs: &[PagedSeq<'_>]| {
+        let rows: usize = seqs.iter().map(|x| x.rows).sum();
+        let q = g.zeros(rows, s.q_heads * s.head_dim).unwrap();
+        let kv = g.zeros(8 * s.block_size, s.kv_heads * s.head_dim).unwrap();
+        g.paged_decode_v2(&q, &kv, &kv, s, seqs).map(|o| o.is_some())
+    };
+    let one = |ctx: usize| PagedSeq {
+        rows: 1,
+        context_len: ctx,
+        block_table: &table,
+    };
+    assert!(call(shape(8, 2, 128, 16), &[one(20), one(3)]).unwrap());
+    // Prefill or mixed batches, no sequences.
+    let prefill = PagedSeq {
+        rows: 2,
+        context_len: 9,
+        block_table: &table,
+    };
+    assert!(!call(shape(8, 2, 128, 16), &[one(5), prefill]).unwrap());
+    assert!(!call(shape(8, 2, 128, 16), &[]).unwrap());
+    // Head dims, groups, block sizes.
+    for s in [
+        shape(8, 2, 72, 16),
+        shape(8, 2, 32, 16),
+        shape(8, 2, 256, 16),
+        shape(32, 1, 128, 16),
+    ] {
+        assert!(!call(s, &[one(20)]).unwrap(), "{s:?}");
+    }
+    for bs in [1, 8, 24] {
+        assert!(!call(shape(8, 2, 128, bs), &[one(8)]).unwrap(), "block size {bs}");
+    }
+    // Malformed: q of the wrong width, a context past its table.
+    let q = g.zeros(1, 100).unwrap();
+    let kv = g.zeros(128, 256).unwrap();
+    assert!(g
+        .paged_decode_v2(&q, &kv, &kv, shape(8, 2, 128, 16), &[one(5)])
+        .is_err());
+    let q = g.zeros(1, 1024).unwrap();
+    let short = PagedSeq {
+        rows: 1,
+        context_len: 200,
+        block_table: &table,
+    };
+    assert!(g
+        .paged_decode_v2(&q, &kv, &kv, shape(8, 2, 128, 16), &[short])
+        .is_err());
+}

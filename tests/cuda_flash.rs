@@ -1,0 +1,379 @@
+//! Parity of the tensor-core attention kernel (`kernels/flash_attention.cu`,
+//! `CudaBackend::paged_attention_flash` / `attention_segments_flash`) against the CPU reference and the
+//! v1 CUDA kernels, on random ~N(0, 1) inputs: paged prefill over shuffled block tables (several
+//! sequences, rows not a multiple of 64, sequences continuing after cached context, GQA 4:1 and 1:1,
+//! block sizes 16 and 32, head dims 128/80/72/64/32/16) and the segments mode of the vision towers
+//! (d 72/80/64/...). Bound: max |flash − reference| ≤ 2e-2 (bf16 inputs and output, f32 reference).
+//!
+//! Also the row contract, bitwise: a sequence's rows computed in one call equal the same rows computed
+//! in two chunked calls (prefix, then the rest, as chunked prefill does), one row per call, or next to
+//! other sequences; a segment's rows do not depend on the other segments.
+//!
+//! The CPU reference runs on exactly the values the GPU sees (inputs rounded to bf16). Outputs are
+//! poisoned with NaN before the kernel writes them. Every test prints a SKIP line and returns when no
+//! GPU, driver, NVRTC or CUDA headers are present.
+#![cfg(feature = "cuda")]
+
+use recall::backend::cpu::{CpuBackend, CpuTensor};
+use recall::backend::cuda::{CudaBackend, CudaTensor};
+use recall::backend::{AttnShape, Backend, PagedSeq};
+
+/// Max absolute error against the references.
+const TOL: f32 = 2e-2;
+
+fn gpu() -> Option<CudaBackend> {
+    match CudaBackend::new(0) {
+        Ok(be) => {
+            be.set_poison(true);
+            Some(be)
+        }
+        Err(e) => {
+            eprintln!("SKIP (no usable GPU): {e}");
+            None
+        }
+    }
+}
+
+/// ~N(0, 1) values (Box–Muller).
+fn randn(rng: &mut fastrand::Rng, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            let u = rng.f32().max(1e-7);
+            (-2.0 * u.ln()).sqrt() * (std::f32::consts::TAU * rng.f32()).cos()
+        })
+        .collect()
+}
+
+/// The same activation on both backends (the CPU one holding the bf16-rounded values).
+struct Pair {
+    gpu: CudaTensor,
+    cpu: CpuTensor,
+}
+
+fn rand_pair(g: &CudaBackend, rng: &mut fastrand::Rng, rows: usize, cols: usize) -> Pair {
+    let gpu = g.upload(&randn(rng, rows * cols), rows, cols).unwrap();
+    let rounded = g.download(&gpu).unwrap();
+    Pair {
+        cpu: CpuBackend.upload(&rounded, rows, cols).unwrap(),
+        gpu,
+    }
+}
+
+/// `max |got − want|`; fails on NaN (an unwritten, poisoned output) or a length mismatch.
+fn max_abs_err(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len(), "output lengths differ");
+    got.iter()
+        .zip(want)
+        .enumerate()
+        .fold(0f32, |worst, (i, (&a, &b))| {
+            assert!(
+                !a.is_nan(),
+                "NaN at {i} (reference {b}): unwritten or broken output"
+            );
+            worst.max((a - b).abs())
+        })
+}
+
+fn bits(g: &CudaBackend, x: &CudaTensor) -> Vec<u32> {
+    g.download(x).unwrap().iter().map(|v| v.to_bits()).collect()
+}
+
+fn shape(q_heads: usize, kv_heads: usize, head_dim: usize, block_size: usize) -> AttnShape {
+    AttnShape {
+        q_heads,
+        kv_heads,
+        head_dim,
+        block_size,
+    }
+}
+
+/// A random batch over a shuffled block pool: `(rows, context_len)` per sequence.
+struct PagedCase {
+    shape: AttnShape,
+    seqs: Vec<(usize, usize)>,
+    tables: Vec<Vec<u32>>,
+    q: Pair,
+    k: Pair,
+    v: Pair,
+}
+
+impl PagedCase {
+    fn new(g: &CudaBackend, rng: &mut fastrand::Rng, shape: AttnShape, seqs: &[(usize, usize)]) -> Self {
+        let per_seq: Vec<usize> = seqs.iter().map(|&(_, c)| c.div_ceil(shape.block_size)).collect();
+        let num_blocks = per_seq.iter().sum::<usize>() + 3;
+        let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
+        rng.shuffle(&mut ids);
+        let mut tables = Vec::new();
+        let mut next = 0;
+        for &n in &per_seq {
+            tables.push(ids[next..next + n].to_vec());
+            next += n;
+        }
+        let slots = num_blocks * shape.block_size;
+        let kvd = shape.kv_heads * shape.head_dim;
+        let rows: usize = seqs.iter().map(|s| s.0).sum();
+        PagedCase {
+            shape,
+            seqs: seqs.to_vec(),
+            tables,
+            q: rand_pair(g, rng, rows, shape.q_heads * shape.head_dim),
+            k: rand_pair(g, rng, slots, kvd),
+            v: rand_pair(g, rng, slots, kvd),
+        }
+    }
+
+    fn batch(&self) -> Vec<PagedSeq<'_>> {
+        self.seqs
+            .iter()
+            .zip(&self.tables)
+            .map(|(&(rows, context_len), t)| PagedSeq {
+                rows,
+                context_len,
+                block_table: t,
+            })
+            .collect()
+    }
+
+    /// Flash attention for `q` rows of sequences `seqs` (over this case's pools).
+    fn flash(&self, g: &CudaBackend, q: &CudaTensor, seqs: &[PagedSeq<'_>]) -> CudaTensor {
+        g.paged_attention_flash(q, &self.k.gpu, &self.v.gpu, self.shape, seqs)
+            .unwrap()
+            .expect("supported shape")
+    }
+
+    fn name(&self) -> String {
+        let s = self.shape;
+        let case = format!(
+            "{}q/{}kv × {} bs {} {:?}",
+            s.q_heads, s.kv_heads, s.head_dim, s.block_size, self.seqs
+        );
+        case.chars().take(70).collect()
+    }
+}
+
+const PAGED_SHAPES: [(usize, usize, usize, usize); 7] = [
+    (8, 2, 128, 16),
+    (4, 4, 128, 32),
+    (4, 1, 64, 16),
+    (4, 4, 80, 32),
+    (8, 2, 72, 16),
+    (4, 1, 32, 32),
+    (2, 2, 16, 16),
+];
+
+#[test]
+fn paged_flash_matches_cpu_and_v1() {
+    let Some(g) = gpu() else { return };
+    let mut rng = fastrand::Rng::with_seed(11);
+    // Fresh prompt, several lengths (not multiples of 64), continuation after cached context next to a
+    // decode row, a single token, a long continuation.
+    let batches: [&[(usize, usize)]; 5] = [
+        &[(100, 100)],
+        &[(37, 37), (64, 64), (130, 130)],
+        &[(50, 200), (1, 77), (65, 65)],
+        &[(1, 1)],
+        &[(200, 330)],
+    ];
+    for (qh, kvh, d, bs) in PAGED_SHAPES {
+        for seqs in batches {
+            let c = PagedCase::new(&g, &mut rng, shape(qh, kvh, d, bs), seqs);
+            let batch = c.batch();
+            let got = g.download(&c.flash(&g, &c.q.gpu, &batch)).unwrap();
+            let cpu = CpuBackend
+                .paged_attention(&c.q.cpu, &c.k.cpu, &c.v.cpu, c.shape, &batch)
+                .unwrap();
+            let v1 = g
+                .paged_attention(&c.q.gpu, &c.k.gpu, &c.v.gpu, c.shape, &batch)
+                .unwrap();
+            let (e_cpu, e_v1) = (
+                max_abs_err(&got, &cpu.data),
+                max_abs_err(&got, &g.download(&v1).unwrap()),
+            );
+            eprintln!(
+                "paged flash {:<70} max err {e_cpu:.2e} (cpu) {e_v1:.2e} (v1)",
+                c.name()
+            );
+            assert!(e_cpu <= TOL, "{}: error {e_cpu} against the CPU", c.name());
+            assert!(e_v1 <= TOL, "{}: error {e_v1} against v1", c.name());
+        }
+    }
+}
+
+#[test]
+fn paged_flash_rows_do_not_depend_on_chunking() {
+    let Some(g) = gpu() else { return };
+    let mut rng = fastrand::Rng::with_seed(12);
+    let (history, n) = (150, 200);
+    for (qh, kvh, d, bs) in [(8, 2, 128, 16), (4, 4, 80, 32), (4, 1, 72, 16)] {
+        let c = PagedCase::new(&g, &mut rng, shape(qh, kvh, d, bs), &[(n, history + n)]);
+        let table = &c.tables[0][..];
+        let seq = |rows, context_len| PagedSeq {
+            rows,
+            context_len,
+            block_table: table,
+        };
+        let whole = bits(&g, &c.flash(&g, &c.q.gpu, &[seq(n, history + n)]));
+        let cols = c.q.cpu.cols;
+        // Prefix then the rest, as chunked prefill does.
+        for split in [1, 37, 64, 100, 128, 199] {
+            let (qa, qb) = (
+                g.rows(&c.q.gpu, 0, split).unwrap(),
+                g.rows(&c.q.gpu, split, n - split).unwrap(),
+            );
+            let mut got = bits(&g, &c.flash(&g, &qa, &[seq(split, history + split)]));
+            got.extend(bits(&g, &c.flash(&g, &qb, &[seq(n - split, history + n)])));
+            assert!(got == whole, "{}: split at {split} changes the result", c.name());
+        }
+        // One row per call (decode-style), for every 13th row.
+        for r in (0..n).step_by(13) {
+            let qr = g.rows(&c.q.gpu, r, 1).unwrap();
+            let got = bits(&g, &c.flash(&g, &qr, &[seq(1, history + r + 1)]));
+            assert!(
+                got[..] == whole[r * cols..(r + 1) * cols],
+                "{}: row {r} alone differs",
+                c.name()
+            );
+        }
+        eprintln!("paged flash chunking {}: bitwise equal", c.name());
+    }
+}
+
+#[test]
+fn paged_flash_rows_do_not_depend_on_the_batch() {
+    let Some(g) = gpu() else { return };
+    let mut rng = fastrand::Rng::with_seed(13);
+    let c = PagedCase::new(
+        &g,
+        &mut rng,
+        shape(8, 2, 128, 16),
+        &[(30, 90), (100, 100), (1, 300)],
+    );
+    let batch = c.batch();
+    let all = bits(&g, &c.flash(&g, &c.q.gpu, &batch));
+    let cols = c.q.cpu.cols;
+    let mut start = 0;
+    for (i, s) in batch.iter().enumerate() {
+        let q = g.rows(&c.q.gpu, start, s.rows).unwrap();
+        let alone = bits(&g, &c.flash(&g, &q, &[*s]));
+        assert!(
+            alone[..] == all[start * cols..(start + s.rows) * cols],
+            "sequence {i} alone differs from the batch"
+        );
+        start += s.rows;
+    }
+    eprintln!("paged flash batch independence {}: bitwise equal", c.name());
+}
+
+/// Random q, k, v of `[cu.last(), heads · d]`.
+fn segment_inputs(g: &CudaBackend, rng: &mut fastrand::Rng, heads: usize, d: usize, n: usize) -> [Pair; 3] {
+    [0; 3].map(|_| rand_pair(g, rng, n, heads * d))
+}
+
+#[test]
+fn segments_flash_matches_cpu_and_v1() {
+    let Some(g) = gpu() else { return };
+    let mut rng = fastrand::Rng::with_seed(14);
+    for (heads, d) in [(4, 72), (3, 80), (2, 64), (1, 128), (2, 32), (2, 16)] {
+        for cu in [
+            vec![0usize, 5],
+            vec![0, 1, 17, 17, 50],
+            vec![0, 64, 128, 200],
+            vec![0, 300, 1024],
+        ] {
+            let n = *cu.last().unwrap();
+            let [q, k, v] = segment_inputs(&g, &mut rng, heads, d, n);
+            let got = g
+                .attention_segments_flash(&q.gpu, &k.gpu, &v.gpu, heads, &cu)
+                .unwrap()
+                .expect("supported shape");
+            let got = g.download(&got).unwrap();
+            let cpu = CpuBackend
+                .attention_segments(&q.cpu, &k.cpu, &v.cpu, heads, &cu)
+                .unwrap();
+            let v1 = g.attention_segments(&q.gpu, &k.gpu, &v.gpu, heads, &cu).unwrap();
+            let (e_cpu, e_v1) = (
+                max_abs_err(&got, &cpu.data),
+                max_abs_err(&got, &g.download(&v1).unwrap()),
+            );
+            let case = format!("{heads} × {d}, cu {cu:?}");
+            eprintln!("segments flash {case:<40} max err {e_cpu:.2e} (cpu) {e_v1:.2e} (v1)");
+            assert!(e_cpu <= TOL, "{case}: error {e_cpu} against the CPU");
+            assert!(e_v1 <= TOL, "{case}: error {e_v1} against v1");
+        }
+    }
+}
+
+#[test]
+fn segments_flash_rows_do_not_depend_on_other_segments() {
+    let Some(g) = gpu() else { return };
+    let mut rng = fastrand::Rng::with_seed(15);
+    let (heads, d) = (4, 80);
+    let cu = [0usize, 70, 71, 200, 333];
+    let [q, k, v] = segment_inputs(&g, &mut rng, heads, d, 333);
+    let all = bits(
+        &g,
+        &g.attention_segments_flash(&q.gpu, &k.gpu, &v.gpu, heads, &cu)
+            .unwrap()
+            .unwrap(),
+    );
+    let cols = heads * d;
+    for w in cu.windows(2) {
+        let n = w[1] - w[0];
+        let [qs, ks, vs] = [&q, &k, &v].map(|x| g.rows(&x.gpu, w[0], n).unwrap());
+        let alone = g
+            .attention_segments_flash(&qs, &ks, &vs, heads, &[0, n])
+            .unwrap()
+            .unwrap();
+        assert!(
+            bits(&g, &alone)[..] == all[w[0] * cols..w[1] * cols],
+            "segment {w:?} alone differs"
+        );
+    }
+    eprintln!("segments flash independence: bitwise equal");
+}
+
+#[test]
+fn flash_declines_unsupported_shapes_and_rejects_malformed_calls() {
+    let Some(g) = gpu() else { return };
+    let table = [0u32, 1, 2, 3];
+    let seq = |rows, context_len| PagedSeq {
+        rows,
+        context_len,
+        block_table: &table,
+    };
+    // Head dims without an instantiation: None, nothing launched.
+    for d in [256, 12] {
+        let (q, kv) = (g.zeros(1, d).unwrap(), g.zeros(16, d).unwrap());
+        let got = g.paged_attention_flash(&q, &kv, &kv, shape(1, 1, d, 4), &[seq(1, 1)]);
+        assert!(got.unwrap().is_none(), "head_dim {d}");
+        let got = g.attention_segments_flash(&q, &q, &q, 1, &[0, 1]);
+        assert!(got.unwrap().is_none(), "segments head_dim {d}");
+    }
+    // Malformed calls are errors, as on v1.
+    let (q, kv) = (g.zeros(3, 64).unwrap(), g.zeros(16, 64).unwrap());
+    let s = shape(2, 1, 32, 4);
+    assert!(
+        g.paged_attention_flash(&q, &kv, &kv, s, &[seq(2, 2)]).is_err(),
+        "row count"
+    );
+    assert!(
+        g.paged_attention_flash(&q, &kv, &kv, s, &[seq(3, 17)]).is_err(),
+        "table too short"
+    );
+    assert!(
+        g.paged_attention_flash(&q, &kv, &kv, shape(3, 2, 32, 4), &[seq(3, 3)])
+            .is_err(),
+        "heads"
+    );
+    assert!(
+        g.attention_segments_flash(&q, &q, &q, 2, &[0, 2]).is_err(),
+        "cu_seqlens"
+    );
+    // Nothing to do: an empty output, not an error.
+    let empty = g.zeros(0, 64).unwrap();
+    let out = g
+        .paged_attention_flash(&empty, &kv, &kv, s, &[seq(0, 5)])
+        .unwrap()
+        .unwrap();
+    assert_eq!(g.dims(&out), (0, 64));
+}
