@@ -60,3 +60,36 @@ extern "C" __global__ void fill_u16_v1(const FillParams p) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < p.n; i += (long long)gridDim.x * blockDim.x)
         p.out[i] = (unsigned short)p.bits;
 }
+
+struct FillRandomParams {
+    bf16 *out;
+    u64 seed;
+    u64 first; // index of out[0] in the generated sequence (a slice of a bigger tensor)
+    long long n;
+    float scale;
+    int kind; // 0 zeros, 1 ones, 2 uniform in [-scale, scale)
+};
+
+// SplitMix64's output function; identical to splitmix64 in src/model/loader.rs.
+__device__ __forceinline__ u64 splitmix64(u64 x) {
+    u64 z = x + 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+// Synthetic weights (benchmarks): element i is Fill::value(first + i) of src/model/loader.rs, bit for
+// bit. The steps before the last multiply are exact in f32; the explicit-rounding intrinsics keep the
+// compiler from contracting them into an FMA, so the one rounding is the same as on the CPU.
+extern "C" __global__ void fill_random_v1(const FillRandomParams p) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < p.n; i += (long long)gridDim.x * blockDim.x) {
+        float v = p.kind == 1 ? 1.f : 0.f;
+        if (p.kind == 2) {
+            u64 idx = p.first + (u64)i;
+            float u = (float)(splitmix64(p.seed ^ (idx * 0x9e3779b97f4a7c15ull)) >> 40);
+            float sym = __fadd_rn(__fmul_rn(__fmul_rn(u, 1.f / 16777216.f), 2.f), -1.f);
+            v = __fmul_rn(sym, p.scale);
+        }
+        p.out[i] = __float2bfloat16_rn(v);
+    }
+}

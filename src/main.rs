@@ -162,9 +162,13 @@ enum Command {
         /// Most tokens per forward.
         #[arg(long)]
         max_batch_tokens: Option<usize>,
-        /// Where the temporary random weights are written.
+        /// Where the temporary config (and, with --weights-file, the random weights) are written.
         #[arg(long)]
         weights_dir: Option<PathBuf>,
+        /// Write the random weights to a safetensors file and load it through the checkpoint loader,
+        /// instead of generating them in the backend (on the GPU: in device memory).
+        #[arg(long)]
+        weights_file: bool,
         /// Also write the report as JSON.
         #[arg(long)]
         json_out: Option<PathBuf>,
@@ -438,6 +442,7 @@ fn main() -> Result<()> {
             chunk_size,
             max_batch_tokens,
             weights_dir,
+            weights_file,
             json_out,
             quick,
             breakdown,
@@ -463,6 +468,7 @@ fn main() -> Result<()> {
             a.chunk_size = chunk_size.unwrap_or(a.chunk_size);
             a.max_batch_tokens = max_batch_tokens.unwrap_or(a.max_batch_tokens);
             a.weights_dir = weights_dir.or(a.weights_dir);
+            a.weights_file |= weights_file;
             a.json_out = json_out.or(a.json_out);
             a.quick |= quick;
             a.breakdown = breakdown;

@@ -136,3 +136,41 @@ fn qwen2_5_vl_flat_and_nested_agree() {
         ModelConfig::from_json(nested, path).unwrap()
     );
 }
+
+/// A synthetic checkpoint (bench weights without a file): views of its tensors generate exactly the
+/// elements they cover (a row slice equals the rows of the whole tensor, a reshape the same values),
+/// the CPU backend loads the same values, and uniform fills stay within their bound.
+#[test]
+fn synthetic_checkpoint_views_are_consistent() {
+    use recall::backend::cpu::CpuBackend;
+    use recall::backend::Backend;
+    use recall::model::loader::{Checkpoint, Fill};
+    let fill = Fill::Uniform {
+        seed: 11,
+        scale: 0.25,
+    };
+    let ckpt = Checkpoint::synthetic(
+        "test",
+        [
+            ("w".to_string(), vec![6, 5], fill),
+            ("ones".to_string(), vec![3], Fill::Ones),
+        ],
+    )
+    .unwrap();
+    let w = ckpt.get("w").unwrap();
+    let all = w.to_f32();
+    assert!(w.bytes().is_empty());
+    assert!(all.iter().all(|v| v.abs() <= 0.25));
+    assert!(all.windows(2).any(|p| p[0] != p[1]), "values vary");
+    let slice = w.slice_rows(2, 3).unwrap();
+    assert_eq!(slice.to_f32(), all[10..25].to_vec());
+    assert_eq!(w.reshaped(&[30]).unwrap().to_f32(), all);
+    let be = CpuBackend;
+    let loaded = be.load_weight(&slice).unwrap();
+    let x = be.upload(&[1.0, 0.0, 0.0, 0.0, 0.0], 1, 5).unwrap();
+    // Row 0 of `x · Wᵀ` picks column 0 of each of the slice's rows.
+    let y = be.download(&be.linear(&x, &loaded, None).unwrap()).unwrap();
+    assert_eq!(y, vec![all[10], all[15], all[20]]);
+    assert_eq!(ckpt.get("ones").unwrap().to_f32(), vec![1.0; 3]);
+    assert!(ckpt.get("missing").is_err());
+}

@@ -265,7 +265,9 @@ fn decode_v2_in_recorded_steps_is_bitwise_direct() {
         tag: 0xdec0de,
     };
     let q = g.gather_rows(&case.q.0, &order).unwrap();
-    for step in 0..3 {
+    // Step 0 runs directly (warm-up), step 1 is recorded, steps 2 and 3 are replayed.
+    let before = g.step_stats();
+    for step in 0..4 {
         let out = g
             .run_step(key, &mut || {
                 g.paged_decode_v2(&q, &case.k.0, &case.v.0, s, &case.seqs(&order))
@@ -281,6 +283,8 @@ fn decode_v2_in_recorded_steps_is_bitwise_direct() {
     let stats = g.step_stats();
     eprintln!("step stats: {stats:?}");
     g.set_step_replay(false);
+    assert!(stats.recorded > before.recorded, "no step was recorded");
+    assert!(stats.replayed > before.replayed, "no step was replayed");
 }
 
 #[test]
@@ -334,4 +338,72 @@ fn decode_v2_declines_or_rejects_what_it_does_not_cover() {
     assert!(g
         .paged_decode_v2(&q, &kv, &kv, shape(8, 2, 128, 16), &[short])
         .is_err());
+}
+
+/// Continuous batching mixes decode rows with prefill chunks of other sequences in one call. The
+/// backend splits such a call by sequence kind, so every row gets exactly the bits of a call holding
+/// only its own sequence: decode rows those of a pure decode step (split-K), prefill rows those of a
+/// prefill call (flash). Checked for both orders of the sequences.
+#[test]
+fn mixed_calls_give_every_row_its_own_kernels_bits() {
+    let Some(g) = gpu() else { return };
+    let mut rng = fastrand::Rng::with_seed(21);
+    let s = shape(32, 8, 128, 16);
+    // Sequence 0: decode at 300 tokens of context; sequence 1: a 40-row prefill chunk after 60 cached
+    // tokens; sequence 2: decode at 5 tokens. Disjoint block tables in one pool.
+    let specs = [(1usize, 300usize), (40, 100), (1, 5)];
+    let mut next = 0u32;
+    let tables: Vec<Vec<u32>> = specs
+        .iter()
+        .map(|&(_, ctx)| {
+            let n = ctx.div_ceil(s.block_size) as u32;
+            next += n;
+            (next - n..next).rev().collect()
+        })
+        .collect();
+    let slots = next as usize * s.block_size;
+    let kv_cols = s.kv_heads * s.head_dim;
+    let k = g
+        .upload(&normal(&mut rng, slots * kv_cols), slots, kv_cols)
+        .unwrap();
+    let v = g
+        .upload(&normal(&mut rng, slots * kv_cols), slots, kv_cols)
+        .unwrap();
+    let q_cols = s.q_heads * s.head_dim;
+    let qs: Vec<CudaTensor> = specs
+        .iter()
+        .map(|&(rows, _)| g.upload(&normal(&mut rng, rows * q_cols), rows, q_cols).unwrap())
+        .collect();
+    let seq = |i: usize| PagedSeq {
+        rows: specs[i].0,
+        context_len: specs[i].1,
+        block_table: &tables[i],
+    };
+    let alone: Vec<Vec<f32>> = (0..specs.len())
+        .map(|i| {
+            let out = g.paged_attention(&qs[i], &k, &v, s, &[seq(i)]).unwrap();
+            g.download(&out).unwrap()
+        })
+        .collect();
+    for order in [[0usize, 1, 2], [1, 2, 0]] {
+        let mut data = Vec::new();
+        for &i in &order {
+            data.extend(g.download(&qs[i]).unwrap());
+        }
+        let rows: usize = order.iter().map(|&i| specs[i].0).sum();
+        let q = g.upload(&data, rows, q_cols).unwrap();
+        let seqs: Vec<PagedSeq> = order.iter().map(|&i| seq(i)).collect();
+        let got = g
+            .download(&g.paged_attention(&q, &k, &v, s, &seqs).unwrap())
+            .unwrap();
+        let mut at = 0;
+        for &i in &order {
+            let n = specs[i].0 * q_cols;
+            assert!(
+                same_bits(&got[at..at + n], &alone[i]),
+                "sequence {i} in order {order:?} differs from its call alone"
+            );
+            at += n;
+        }
+    }
 }

@@ -708,3 +708,37 @@ mod models {
         }
     }
 }
+
+/// Synthetic weights generated on the device (`fill_random_v1`) are bitwise the host generator's
+/// values (`Fill::value`), for a whole tensor and for a row slice of it.
+#[test]
+fn synthetic_weights_on_the_device_are_the_host_values() {
+    use recall::model::loader::Fill;
+    let Some(g) = gpu() else { return };
+    let fill = Fill::Uniform {
+        seed: 0x5eed,
+        scale: 0.0346,
+    };
+    let ckpt = Checkpoint::synthetic("test", [("w".to_string(), vec![300, 257], fill)]).unwrap();
+    let w = ckpt.get("w").unwrap();
+    for t in [w.clone(), w.slice_rows(17, 100).unwrap()] {
+        let rows = t.shape[0];
+        let gw = g.load_weight(&t).unwrap();
+        // Read the weight back through an identity GEMM: x = I selects each row exactly (bf16 values,
+        // one nonzero product per output).
+        let mut eye = vec![0f32; 257 * 257];
+        (0..257).for_each(|i| eye[i * 257 + i] = 1.0);
+        let x = g.upload(&eye, 257, 257).unwrap();
+        let y = g.download(&g.linear(&x, &gw, None).unwrap()).unwrap(); // [257, rows] = Wᵀ
+        let want = t.to_f32();
+        for r in 0..rows {
+            for c in 0..257 {
+                assert_eq!(
+                    y[c * rows + r].to_bits(),
+                    want[r * 257 + c].to_bits(),
+                    "({r}, {c})"
+                );
+            }
+        }
+    }
+}

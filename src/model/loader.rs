@@ -49,12 +49,69 @@ pub struct TensorRef {
     file: Arc<MappedFile>,
     start: usize,
     end: usize,
+    /// Set for the tensors of a [`Checkpoint::synthetic`]: values are generated, `start..end` is a
+    /// virtual range (element `i` of the tensor is element `start / 2 + i` of the generated sequence).
+    fill: Option<Fill>,
+}
+
+/// How the values of a synthetic tensor are generated (benchmarks: random weights of a real shape
+/// without a file). bf16 values; every backend reproduces [`Fill::value`] bit for bit, the CUDA one in
+/// a kernel on the device (`fill_random_v1`), so nothing of the size of the model crosses the bus.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Fill {
+    Zeros,
+    Ones,
+    /// Uniform in `[-scale, scale)` (std = scale / √3), from a counter-based hash of `(seed, index)`.
+    Uniform {
+        seed: u64,
+        scale: f32,
+    },
+}
+
+impl Fill {
+    /// Element `i`, rounded to bf16 (returned as f32).
+    ///
+    /// ```
+    /// use recall::model::loader::Fill;
+    /// let f = Fill::Uniform { seed: 7, scale: 0.5 };
+    /// assert_eq!(f.value(3), f.value(3));
+    /// assert!(f.value(3).abs() <= 0.5);
+    /// ```
+    pub fn value(&self, i: u64) -> f32 {
+        let v = match *self {
+            Fill::Zeros => 0.0,
+            Fill::Ones => 1.0,
+            // 24 random bits → [0, 1) exactly, → [-1, 1) exactly, then one rounded multiply.
+            Fill::Uniform { seed, scale } => {
+                let u = (splitmix64(seed ^ i.wrapping_mul(0x9e37_79b9_7f4a_7c15)) >> 40) as f32;
+                (u * (1.0 / 16_777_216.0) * 2.0 - 1.0) * scale
+            }
+        };
+        half::bf16::from_f32(v).to_f32()
+    }
+}
+
+/// SplitMix64's output function (also in kernels/elementwise.cu: keep them identical).
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 impl TensorRef {
-    /// The raw little-endian bytes of the tensor.
+    /// The raw little-endian bytes of the tensor (empty for a synthetic tensor: see
+    /// [`synthetic`](Self::synthetic)).
     pub fn bytes(&self) -> &[u8] {
+        if self.fill.is_some() {
+            return &[];
+        }
         &self.file.mmap[self.start..self.end]
+    }
+
+    /// For a synthetic tensor: its fill rule and the generated-sequence index of its first element.
+    pub fn synthetic(&self) -> Option<(Fill, u64)> {
+        self.fill.map(|f| (f, (self.start / self.dtype.size()) as u64))
     }
 
     /// The file the tensor lives in.
@@ -128,6 +185,9 @@ impl TensorRef {
 
     /// Converts the tensor to f32 on the host (a copy; for tests and small tensors).
     pub fn to_f32(&self) -> Vec<f32> {
+        if let Some((fill, first)) = self.synthetic() {
+            return (0..self.numel() as u64).map(|i| fill.value(first + i)).collect();
+        }
         let bytes = self.bytes();
         match self.dtype {
             Dtype::F32 => bytes
@@ -243,6 +303,49 @@ impl Checkpoint {
         })
     }
 
+    /// A checkpoint of generated bf16 tensors (`(name, shape, fill)`), with no file behind it: for
+    /// benchmarks at the shape of a real model. `source` names it in errors.
+    ///
+    /// ```
+    /// use recall::model::loader::{Checkpoint, Fill};
+    /// let ckpt = Checkpoint::synthetic("random", [("w".to_string(), vec![2, 3], Fill::Ones)])?;
+    /// assert_eq!(ckpt.get("w")?.to_f32(), vec![1.0; 6]);
+    /// # Ok::<(), recall::Error>(())
+    /// ```
+    pub fn synthetic(
+        source: &str,
+        specs: impl IntoIterator<Item = (String, Vec<usize>, Fill)>,
+    ) -> Result<Self> {
+        let anon = memmap2::MmapMut::map_anon(1)
+            .and_then(|m| m.make_read_only())
+            .map_err(|e| Error::io(Path::new(source), e))?;
+        let file = Arc::new(MappedFile {
+            path: PathBuf::from(source),
+            mmap: anon,
+        });
+        let tensors = specs
+            .into_iter()
+            .map(|(name, shape, fill)| {
+                let bytes = shape.iter().product::<usize>() * 2;
+                let t = TensorRef {
+                    name: name.clone(),
+                    dtype: Dtype::BF16,
+                    shape,
+                    file: file.clone(),
+                    start: 0,
+                    end: bytes,
+                    fill: Some(fill),
+                };
+                (name, t)
+            })
+            .collect();
+        Ok(Checkpoint {
+            source: PathBuf::from(source),
+            tensors,
+            metadata: HashMap::new(),
+        })
+    }
+
     /// The tensor `name`, or an error naming it and the checkpoint.
     pub fn get(&self, name: &str) -> Result<&TensorRef> {
         self.tensors.get(name).ok_or_else(|| Error::MissingTensor {
@@ -353,6 +456,7 @@ fn parse_file(path: &Path) -> Result<(Vec<TensorRef>, HashMap<String, String>)> 
             file: file.clone(),
             start: data_start + begin,
             end: data_start + end,
+            fill: None,
         });
     }
     Ok((out, metadata))

@@ -69,14 +69,20 @@ impl<B: Backend> QwenVl<B> {
         let config = ModelConfig::from_dir(dir)?;
         let ckpt = Checkpoint::open(dir)?;
         tracing::info!(dir = %dir.display(), family = ?config.family, backend = backend.name(), "loading model");
-        let text = TextModel::load(backend, &config.text, &ckpt)?;
+        Self::from_checkpoint(backend, config, &ckpt)
+    }
+
+    /// Loads the weights of `config` from an opened checkpoint (e.g. a [`Checkpoint::synthetic`] one
+    /// of random weights, for benchmarks).
+    pub fn from_checkpoint(backend: &B, config: ModelConfig, ckpt: &Checkpoint) -> Result<Self> {
+        let text = TextModel::load(backend, &config.text, ckpt)?;
         let vision = match (&config.vision, config.family) {
             (None, _) => None,
             (Some(v), Family::Qwen3Vl) => Some(VisionTower::Qwen3(vision_qwen3::Qwen3VisionTower::load(
-                backend, v, &ckpt,
+                backend, v, ckpt,
             )?)),
             (Some(v), Family::Qwen25Vl) => Some(VisionTower::Qwen25(vision_qwen25::Qwen25VisionTower::load(
-                backend, v, &ckpt,
+                backend, v, ckpt,
             )?)),
         };
         Ok(QwenVl { config, text, vision })

@@ -16,10 +16,10 @@
 #
 # Sizes are env vars (defaults: the B=4 step with 2560-token screenshots, 8B shape):
 #   CONFIG BUDGET GRID HISTORY RESPONSE LAYERS REPEATS QUICK CHUNK MAX_BATCH SYSTEM_TOKENS STEP_TOKENS
-#   WEIGHTS_DIR  BREAKDOWN (1)  STEP_REPLAY (on|off)  RECALL_TIMEOUT (s, 330)  HF_TIMEOUT (s, 200)  HF_MODES (eager,static)  HF_REPEATS (1)
+#   WEIGHTS_DIR  WEIGHTS_FILE (0)  BREAKDOWN (1)  STEP_REPLAY (on|off)  RECALL_TIMEOUT (s, 330)  HF_TIMEOUT (s, 200)  HF_MODES (eager,static)  HF_REPEATS (1)
 #   SKIP_RECALL=1 / SKIP_HF=1
-# Must end inside ~9 minutes: the 8B weights are written (17.5 GB, to /dev/shm when it has room) and
-# loaded; HF compiles its decode step (~1-1.5 min). If the recall part runs long, use LAYERS=18 (the
+# Must end inside ~9 minutes: recall generates the 8B weights in device memory (WEIGHTS_FILE=1 writes
+# 17.5 GB to /dev/shm when it has room and loads them instead); HF builds its own random model; HF compiles its decode step (~1-1.5 min). If the recall part runs long, use LAYERS=18 (the
 # floors and targets then do not apply; the ratios against HF at the same depth still do) or smaller
 # GRID / REPEATS. Output: $OUT/bench.log (everything), $OUT/recall.json, $OUT/hf.json,
 # $OUT/bench-summary.txt (the table, also printed last).
@@ -70,7 +70,8 @@ HF_TIMEOUT=${HF_TIMEOUT:-200}
 HF_MODES=${HF_MODES:-eager,static}
 HF_REPEATS=${HF_REPEATS:-1}
 if [ -z "${WEIGHTS_DIR:-}" ]; then
-    # 8B: 17.5 GB of bf16. tmpfs avoids the disk when it has room.
+    # The temporary config, and with WEIGHTS_FILE=1 the 8B weights (17.5 GB of bf16): tmpfs when it
+    # has room.
     free_kb=$(df -Pk /dev/shm 2>/dev/null | awk 'NR==2 {print $4}')
     if [ -n "$free_kb" ] && [ "$free_kb" -gt 25000000 ]; then WEIGHTS_DIR=/dev/shm; else WEIGHTS_DIR=/tmp; fi
 fi
@@ -96,6 +97,9 @@ if [ "${SKIP_RECALL:-0}" != 1 ]; then
         quick_args=()
         [ "$QUICK" = 1 ] && quick_args=(--quick)
         [ "$BREAKDOWN" = 1 ] && quick_args+=(--breakdown)
+        # Default: weights generated in device memory (no file, no 17.5 GB upload). WEIGHTS_FILE=1
+        # writes them to $WEIGHTS_DIR and loads them through the checkpoint loader instead.
+        [ "${WEIGHTS_FILE:-0}" = 1 ] && quick_args+=(--weights-file)
         cmd=("$bin/recall" bench --backend cuda --config-dir "$CONFIG" --budget "$BUDGET" --grid "$GRID"
             --history "$HISTORY" --response-tokens "$RESPONSE" --system-tokens "$SYSTEM_TOKENS"
             --step-tokens "$STEP_TOKENS" --repeats "$REPEATS" --chunk-size "$CHUNK"

@@ -116,6 +116,14 @@ impl Backend for CpuBackend {
     }
 
     fn load_weight(&self, t: &TensorRef) -> Result<CpuWeight> {
+        if let Some((fill, first)) = t.synthetic() {
+            let n = t.numel() as u64;
+            let data = (0..n).into_par_iter().map(|i| fill.value(first + i)).collect();
+            return Ok(CpuWeight {
+                shape: t.shape.clone(),
+                storage: Storage::Owned(data),
+            });
+        }
         let (file, range) = t.mapping();
         let aligned = file.data()[range.clone()].as_ptr() as usize % 4 == 0;
         let storage = if t.dtype == Dtype::F32 && !(aligned && cfg!(target_endian = "little")) {

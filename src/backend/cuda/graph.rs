@@ -20,7 +20,7 @@
 //!   what the direct run would do, bit for bit, and a shape the recording did not foresee (a longer
 //!   context that changes a launch) costs one direct step and a new recording, never a wrong result.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{result, sys, CudaGraph, CudaSlice, CudaStream, DevicePtr};
@@ -174,6 +174,9 @@ pub(super) struct Steps {
     mismatch: bool,
     overflow: bool,
     recordings: HashMap<StepKey, Recording>,
+    /// Keys run directly once already: the first step of a key warms up (cuBLASLt plans, lazily
+    /// loaded library kernels) outside any capture; the second is recorded.
+    warmed: HashSet<StepKey>,
     stats: StepStats,
 }
 
@@ -194,6 +197,7 @@ impl Steps {
             mismatch: false,
             overflow: false,
             recordings: HashMap::new(),
+            warmed: HashSet::new(),
             stats: StepStats::default(),
         }
     }
@@ -298,7 +302,7 @@ impl Steps {
     /// Prepares a step: fresh step memory, empty staging, the trace to record or to compare with.
     /// Returns the mode the step runs in.
     pub(super) fn begin(&mut self, key: StepKey, stream: &Arc<CudaStream>) -> Result<Mode> {
-        if !self.enabled {
+        if !self.enabled || (!self.recordings.contains_key(&key) && self.warmed.insert(key)) {
             self.stats.direct += 1;
             return Ok(Mode::Direct);
         }

@@ -33,7 +33,14 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "elementwise",
         source: include_str!("../../../kernels/elementwise.cu"),
-        functions: &["scale_v1", "add_v1", "silu_mul_v1", "gelu_v1", "fill_u16_v1"],
+        functions: &[
+            "scale_v1",
+            "add_v1",
+            "silu_mul_v1",
+            "gelu_v1",
+            "fill_u16_v1",
+            "fill_random_v1",
+        ],
     },
     KernelSource {
         name: "embedding",

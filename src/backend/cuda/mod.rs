@@ -39,7 +39,7 @@ use params::*;
 use super::check::{self, shape_err};
 use super::{AttnShape, Backend, Gelu, OpTime, PagedSeq, StepKey, StepStats};
 use crate::error::{Error, Result};
-use crate::model::loader::{Dtype, TensorRef};
+use crate::model::loader::{Dtype, Fill, TensorRef};
 
 /// Keys per split of split-K decode attention.
 const DECODE_CHUNK: usize = 256;
@@ -420,6 +420,61 @@ impl CudaBackend {
         })
     }
 
+    /// Paged attention for a call mixing decode sequences (one new row) with prefill sequences: each
+    /// group runs as its own call and the rows are put back in place. A decode row thus gets exactly
+    /// the bits it would get in a pure decode step, whatever else is in the continuous batch (each
+    /// kernel is row-independent on its own).
+    fn paged_attention_mixed(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        s: AttnShape,
+        seqs: &[PagedSeq<'_>],
+    ) -> Result<CudaTensor> {
+        let (mut single, mut multi) = ((vec![], vec![]), (vec![], vec![]));
+        let mut row = 0;
+        for seq in seqs {
+            let group = if seq.rows <= 1 { &mut single } else { &mut multi };
+            group.0.extend(row..row + seq.rows);
+            group.1.push(*seq);
+            row += seq.rows;
+        }
+        let mut out = self.alloc_tensor(q.rows, q.cols)?;
+        for (rows, group) in [single, multi] {
+            let part = self.paged_attention(&self.gather_rows(q, &rows)?, k, v, s, &group)?;
+            self.scatter_rows(&mut out, &rows, &part, false)?;
+        }
+        Ok(out)
+    }
+
+    /// A synthetic checkpoint tensor generated on the device (`fill_random_v1`), bit for bit
+    /// [`Fill::value`]: random weights of a real shape without a file or a host copy.
+    fn synthetic_weight(&self, shape: &[usize], fill: Fill, first: u64) -> Result<CudaWeight> {
+        let n: usize = shape.iter().product();
+        // SAFETY: the fill kernel writes all `n` elements before the weight is used.
+        let buf = unsafe { self.stream.alloc::<bf16>(n.max(1)) }
+            .map_err(|e| cuda_err(format!("alloc of a {shape:?} weight: {e:?}")))?;
+        let (kind, seed, scale) = match fill {
+            Fill::Zeros => (0, 0, 0.0),
+            Fill::Ones => (1, 0, 0.0),
+            Fill::Uniform { seed, scale } => (2, seed, scale),
+        };
+        let p = FillRandomParams {
+            out: self.ptr(&buf),
+            seed,
+            first,
+            n: n as i64,
+            scale,
+            kind,
+        };
+        self.launch("fill_random_v1", grid_1d(n), p)?;
+        Ok(CudaWeight {
+            buf,
+            shape: shape.to_vec(),
+        })
+    }
+
     /// Runs a step directly after its recording or replay was abandoned (nothing of it ran on the
     /// device: captured work is discarded, replayed work was never issued).
     fn run_direct<R>(&self, key: StepKey, f: &mut dyn FnMut() -> Result<R>) -> Result<R> {
@@ -583,6 +638,9 @@ impl Backend for CudaBackend {
     }
 
     fn load_weight(&self, t: &TensorRef) -> Result<CudaWeight> {
+        if let Some((fill, first)) = t.synthetic() {
+            return self.synthetic_weight(&t.shape, fill, first);
+        }
         let host = to_bf16(t);
         let buf = self
             .stream
@@ -769,8 +827,11 @@ impl Backend for CudaBackend {
             ));
         }
         let decode = seqs.iter().all(|x| x.rows <= 1);
-        // Kernel choice depends only on whether the call is pure decode (as v1's split-K always did):
-        // tensor-core flash attention for anything with prefill rows, split-K for decode batches.
+        if !decode && seqs.iter().any(|x| x.rows == 1) {
+            return self.paged_attention_mixed(q, k, v, s, seqs);
+        }
+        // Pure decode calls take split-K, calls of prefill rows the tensor-core flash kernel; mixed
+        // calls are split into one of each above, so a row's kernel depends on its own sequence only.
         if rows > 0 && !self.attn_v1_only {
             let v2 = if decode {
                 self.paged_decode_v2(q, k, v, s, seqs)?

@@ -38,6 +38,8 @@ params! {
     BinaryParams { a: u64, b: u64, out: u64, n: i64 }
     /// elementwise.cu: fill_u16_v1.
     FillParams { out: u64, n: i64, bits: u32 }
+    /// elementwise.cu: fill_random_v1.
+    FillRandomParams { out: u64, seed: u64, first: u64, n: i64, scale: f32, kind: i32 }
     /// embedding.cu: gather_rows_v1.
     GatherParams { src: u64, index: u64, out: u64, n: i32, cols: i32 }
     /// embedding.cu: scatter_rows_v1.
