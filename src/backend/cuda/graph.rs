@@ -255,9 +255,11 @@ impl Steps {
     }
 
     /// Stages `bytes` for the device; returns their device address, or `None` when staging is full.
-    pub(super) fn stage(&mut self, bytes: &[u8], dedup: bool) -> Option<u64> {
-        let key = xxhash_rust::xxh64::xxh64(bytes, bytes.len() as u64);
-        let off = match self.memo.get(&key).filter(|_| dedup) {
+    /// `dedup`: the call site's id, under which identical arrays share one copy (`None`: a copy of
+    /// its own, for data an op may write).
+    pub(super) fn stage(&mut self, bytes: &[u8], dedup: Option<u64>) -> Option<u64> {
+        let key = xxhash_rust::xxh64::xxh64(bytes, dedup.unwrap_or(0) ^ bytes.len() as u64);
+        let off = match self.memo.get(&key).filter(|_| dedup.is_some()) {
             Some(&off) => off,
             None => {
                 let off = self.staged;
@@ -271,7 +273,7 @@ impl Steps {
                 // (the previous step's copy completed: `begin` synchronises on it).
                 unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), pinned.ptr.add(off), bytes.len()) };
                 self.staged = end.div_ceil(ALIGN) * ALIGN;
-                if dedup {
+                if dedup.is_some() {
                     self.memo.insert(key, off);
                 }
                 off

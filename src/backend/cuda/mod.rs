@@ -212,6 +212,7 @@ impl CudaBackend {
                 funcs.insert(f, func);
             }
         }
+        flash::configure(&funcs)?;
         let lt = blas::Lt::new(&stream)?;
         tracing::info!("CUDA backend on {device_name} ({arch})");
         Ok(CudaBackend {
@@ -391,13 +392,21 @@ impl CudaBackend {
 
     /// Copies host data to the device for an op: staged (graph.rs) inside a recorded or replayed
     /// step, else a fresh buffer.
+    #[track_caller]
     fn stage<T: DeviceRepr + Copy + Default>(&self, v: &[T]) -> Result<Staged> {
         self.stage_with(v, true)
     }
 
-    /// As [`stage`](Self::stage); `dedup` lets identical arrays of one step share a staged copy
-    /// (only for data no op writes).
+    /// As [`stage`](Self::stage); `dedup` lets identical arrays staged at the same call site in one
+    /// step (e.g. one layer's attention metadata and the next's) share a staged copy (only for data no
+    /// op writes). Arrays from different call sites never share one, so two different inputs that
+    /// happen to be equal in one step (token ids and slots) cannot make a replay's addresses differ
+    /// from the recording's.
+    #[track_caller]
     fn stage_with<T: DeviceRepr + Copy + Default>(&self, v: &[T], dedup: bool) -> Result<Staged> {
+        let site = std::panic::Location::caller();
+        // The file name is a `&'static str`: its address identifies the file within the process.
+        let site = (site.file().as_ptr() as u64) ^ (u64::from(site.line()) << 40) ^ u64::from(site.column());
         let one = [T::default()];
         let v = if v.is_empty() { &one[..] } else { v };
         // SAFETY: `T: DeviceRepr` is plain data; we only read its bytes.
@@ -405,7 +414,7 @@ impl CudaBackend {
         {
             let mut steps = self.steps()?;
             if steps.mode != graph::Mode::Direct {
-                if let Some(ptr) = steps.stage(bytes, dedup) {
+                if let Some(ptr) = steps.stage(bytes, dedup.then_some(site)) {
                     return Ok(Staged { ptr, _keep: None });
                 }
             }
@@ -521,6 +530,7 @@ impl CudaBackend {
             .map_err(|e| cuda_err(format!("device copy: {e:?}")))
     }
 
+    #[track_caller]
     fn index_u32(&self, op: &str, index: &[usize], bound: usize) -> Result<Staged> {
         if let Some(bad) = index.iter().find(|&&i| i >= bound) {
             return Err(shape_err(op, format!("row {bad} of {bound}")));
