@@ -750,7 +750,12 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
         #[cfg(feature = "cuda")]
         "cuda" => {
             let be = crate::backend::cuda::CudaBackend::new(0)?;
-            let device = format!("{} ({})", be.device_name(), be.arch());
+            let mode = if be.batch_invariant() {
+                ", batch-invariant"
+            } else {
+                ""
+            };
+            let device = format!("{} ({}{mode})", be.device_name(), be.arch());
             bench_backend(&be, &|| be.synchronize(), device, 2, args, source, &cfg, written)?
         }
         other => {

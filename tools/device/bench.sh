@@ -16,6 +16,7 @@
 #
 # Sizes are env vars (defaults: the B=4 step with 2560-token screenshots, 8B shape):
 #   CONFIG BUDGET GRID HISTORY RESPONSE LAYERS REPEATS QUICK CHUNK MAX_BATCH SYSTEM_TOKENS STEP_TOKENS
+#   RECALL_BATCH_INVARIANT=1 (recall in batch-invariant mode: every identical check must then be yes)
 #   WEIGHTS_DIR  WEIGHTS_FILE (0)  BREAKDOWN (1)  STEP_REPLAY (on|off)  RECALL_TIMEOUT (s, 330)  HF_TIMEOUT (s, 200)  HF_MODES (eager,static)  HF_REPEATS (1)
 #   SKIP_RECALL=1 / SKIP_HF=1
 # Must end inside ~9 minutes: recall generates the 8B weights in device memory (WEIGHTS_FILE=1 writes

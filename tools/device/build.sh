@@ -14,7 +14,7 @@ flags=()
 [ "$(uname -m)" = x86_64 ] || { echo "build.sh: the device is x86-64; this machine is $(uname -m)" >&2; exit 1; }
 
 mkdir -p "$out"
-tests=(cuda_ops cuda_flash cuda_decode cuda_fused cuda_graphs kernel_compile)
+tests=(cuda_ops cuda_flash cuda_decode cuda_fused cuda_graphs cuda_exact kernel_compile)
 for t in "${tests[@]}"; do rm -f "$out/$t"; done
 cargo test "${flags[@]}" --no-run $(printf -- "--test %s " "${tests[@]}") --message-format=json \
     | python3 -c '

@@ -7,7 +7,8 @@
 # Runs: the NVRTC compile of every kernel for the device, op parity (CUDA vs CPU), the tiny fixture
 # models on CUDA vs HF, the HGKV bypass bitwise check, the v2 kernels (flash prefill and vision
 # attention, decode attention, fused qk-norm/rope/KV write) against the CPU and v1, and decode-step
-# CUDA graphs bitwise against direct runs; prints a short table last. The full log goes to
+# CUDA graphs bitwise against direct runs, and the engine's exactness in batch-invariant mode; prints
+# a short table last. The full log goes to
 # $OUT/device-check.log (copy it to docs/ with the date, commit and GPU printed at the top).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -24,7 +25,7 @@ log=$dir/device-check.log
 # shellcheck source=tools/device/unpack.sh
 source tools/device/unpack.sh
 
-for f in cuda_ops cuda_flash cuda_decode cuda_fused cuda_graphs kernel_compile MANIFEST_DIR; do
+for f in cuda_ops cuda_flash cuda_decode cuda_fused cuda_graphs cuda_exact kernel_compile MANIFEST_DIR; do
     [ -e "$bin/$f" ] || { echo "missing $bin/$f: run tools/device/build.sh here and carry .device-bin" >&2; exit 2; }
 done
 # Fixtures are found through the manifest dir baked into the binaries: make it point here.
@@ -63,6 +64,7 @@ step "flash prefill/vision attn" 180 "$bin/cuda_flash" --nocapture --test-thread
 step "decode attention v2" 180 "$bin/cuda_decode" --nocapture --test-threads=1
 step "fused qk-norm/rope/KV" 120 "$bin/cuda_fused" --nocapture --test-threads=1
 step "decode graphs bitwise" 120 "$bin/cuda_graphs" --nocapture --test-threads=1
+step "batch-invariant exactness" 120 "$bin/cuda_exact" --nocapture --test-threads=1
 
 echo
 echo "---- per-case errors (full log: $log)"

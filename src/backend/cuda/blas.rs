@@ -22,12 +22,16 @@ use crate::error::Result;
 /// Workspace handed to cuBLASLt (its recommendation for Hopper is 32 MiB).
 const WORKSPACE_BYTES: usize = 32 << 20;
 
+/// Rows at which the batch-invariant mode picks each weight shape's one algorithm (a prefill chunk).
+const INVARIANT_REF_ROWS: u64 = 2048;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct Key {
     n: usize,
     out: usize,
     inner: usize,
     bias: bool,
+    invariant: bool,
 }
 
 struct Plan {
@@ -59,6 +63,8 @@ struct State {
 pub(super) struct Lt {
     state: Mutex<State>,
     workspace: CudaSlice<u8>,
+    /// Batch-invariant mode (see [`Lt::set_batch_invariant`]).
+    invariant: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: the raw cuBLASLt handles are only used under the mutex, on the backend's one stream.
@@ -90,7 +96,22 @@ impl Lt {
                 plans: HashMap::new(),
             }),
             workspace,
+            invariant: std::sync::atomic::AtomicBool::new(false),
         })
+    }
+
+    /// Batch-invariant mode: every GEMM of a weight shape uses one algorithm, chosen for
+    /// `INVARIANT_REF_ROWS` rows, with split-K off, whatever the number of rows; a row's result then
+    /// does not depend on how many rows share the call (the CPU backend's row contract), which exact
+    /// prefix reuse and chunking-independent results need. Off by default: small-`n` (decode) GEMMs
+    /// are faster with the algorithms the heuristic picks for them.
+    pub(super) fn set_batch_invariant(&self, on: bool) {
+        self.invariant.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether batch-invariant mode is on.
+    pub(super) fn batch_invariant(&self) -> bool {
+        self.invariant.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Plans currently cached.
@@ -141,23 +162,116 @@ impl Lt {
                 size_of::<sys::cublasLtEpilogue_t>(),
             )
             .map_err(|e| lt_err("EPILOGUE", e))?;
-            let pref = lt::create_matmul_pref().map_err(|e| lt_err("preference", e))?;
+        }
+        plan.algo = if k.invariant {
+            Self::invariant_algo(handle, &plan, k)?
+        } else {
+            Self::heuristic(handle, &plan, plan.b, plan.d)
+                .map_err(|e| lt_err(&format!("no algorithm for n={n} out={out} in={inner}"), e))?
+        };
+        Ok(plan)
+    }
+
+    /// The heuristic's first algorithm for the plan's descriptor with B and D layouts `b`, `d`.
+    fn heuristic(
+        handle: sys::cublasLtHandle_t,
+        plan: &Plan,
+        b: sys::cublasLtMatrixLayout_t,
+        d: sys::cublasLtMatrixLayout_t,
+    ) -> std::result::Result<sys::cublasLtMatmulAlgo_t, cudarc::cublaslt::result::CublasError> {
+        // SAFETY: live descriptors; the preference is created and destroyed here.
+        unsafe {
+            let pref = lt::create_matmul_pref()?;
             let ws = WORKSPACE_BYTES;
-            let heuristic = lt::set_matmul_pref_attribute(
+            let r = lt::set_matmul_pref_attribute(
                 pref,
                 sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                 (&ws as *const usize).cast(),
                 size_of::<usize>(),
             )
-            .and_then(|()| {
-                lt::get_matmul_algo_heuristic(handle, plan.desc, plan.a, plan.b, plan.d, plan.d, pref)
-            });
+            .and_then(|()| lt::get_matmul_algo_heuristic(handle, plan.desc, plan.a, b, d, d, pref));
             let _ = lt::destroy_matmul_pref(pref);
-            plan.algo = heuristic
-                .map_err(|e| lt_err(&format!("no algorithm for n={n} out={out} in={inner}"), e))?
-                .algo;
+            Ok(r?.algo)
         }
-        Ok(plan)
+    }
+
+    /// Batch-invariant mode: the algorithm the heuristic picks at `INVARIANT_REF_ROWS` rows, with
+    /// split-K off, checked (`cublasLtMatmulAlgoCheck`) for this plan's row count. When it does not
+    /// apply, the plan falls back to the heuristic for its own `n` and says so (that shape is then
+    /// not batch-invariant).
+    fn invariant_algo(
+        handle: sys::cublasLtHandle_t,
+        plan: &Plan,
+        k: Key,
+    ) -> Result<sys::cublasLtMatmulAlgo_t> {
+        let bf16 = sys::cudaDataType_t::CUDA_R_16BF;
+        let (out, inner) = (k.out as u64, k.inner as u64);
+        let b_ref = lt::create_matrix_layout(bf16, inner, INVARIANT_REF_ROWS, inner as i64)
+            .map_err(|e| lt_err("layout B (reference rows)", e))?;
+        let d_ref = lt::create_matrix_layout(bf16, out, INVARIANT_REF_ROWS, out as i64);
+        let chosen = d_ref
+            .map_err(|e| lt_err("layout D (reference rows)", e))
+            .and_then(|d_ref| {
+                let algo = Self::heuristic(handle, plan, b_ref, d_ref);
+                // SAFETY: created just above, destroyed once.
+                unsafe {
+                    let _ = lt::destroy_matrix_layout(d_ref);
+                }
+                algo.map_err(|e| lt_err(&format!("no algorithm for out={out} in={inner}"), e))
+            });
+        // SAFETY: created just above, destroyed once.
+        unsafe {
+            let _ = lt::destroy_matrix_layout(b_ref);
+        }
+        let mut algo = chosen?;
+        // SAFETY: `algo` is a live algorithm struct; the attribute buffers have the sizes cuBLASLt
+        // expects (u32 split count, u32 reduction scheme); the check reads live descriptors.
+        let checked = unsafe {
+            let one: u32 = 1;
+            let none: u32 = sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_NONE as u32;
+            sys::cublasLtMatmulAlgoConfigSetAttribute(
+                &mut algo,
+                sys::cublasLtMatmulAlgoConfigAttributes_t::CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+                (&one as *const u32).cast(),
+                size_of::<u32>(),
+            )
+            .result()
+            .and_then(|()| {
+                sys::cublasLtMatmulAlgoConfigSetAttribute(
+                    &mut algo,
+                    sys::cublasLtMatmulAlgoConfigAttributes_t::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME,
+                    (&none as *const u32).cast(),
+                    size_of::<u32>(),
+                )
+                .result()
+            })
+            .and_then(|()| {
+                let mut result = std::mem::MaybeUninit::uninit();
+                sys::cublasLtMatmulAlgoCheck(
+                    handle,
+                    plan.desc,
+                    plan.a,
+                    plan.b,
+                    plan.d,
+                    plan.d,
+                    &algo,
+                    result.as_mut_ptr(),
+                )
+                .result()
+            })
+        };
+        match checked {
+            Ok(()) => Ok(algo),
+            Err(e) => {
+                tracing::warn!(
+                    "batch-invariant GEMM: the reference algorithm does not apply to n={} out={out} in={inner} ({e:?}); \
+                     this shape uses its own heuristic algorithm",
+                    k.n
+                );
+                Self::heuristic(handle, plan, plan.b, plan.d)
+                    .map_err(|e| lt_err(&format!("no algorithm for n={} out={out} in={inner}", k.n), e))
+            }
+        }
     }
 
     /// `y = x · Wᵀ (+ bias)`: `x` `[n, inner]`, `w` `[out, inner]`, `bias` `[out]`, `y` `[n, out]`.
@@ -178,6 +292,7 @@ impl Lt {
             out,
             inner,
             bias: bias.is_some(),
+            invariant: self.batch_invariant(),
         };
         let mut st = self
             .state

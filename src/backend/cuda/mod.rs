@@ -214,6 +214,7 @@ impl CudaBackend {
         }
         flash::configure(&funcs)?;
         let lt = blas::Lt::new(&stream)?;
+        lt.set_batch_invariant(std::env::var("RECALL_BATCH_INVARIANT").is_ok_and(|v| v == "1" || v == "on"));
         tracing::info!("CUDA backend on {device_name} ({arch})");
         Ok(CudaBackend {
             ctx,
@@ -250,6 +251,21 @@ impl CudaBackend {
         self.stream
             .synchronize()
             .map_err(|e| cuda_err(format!("synchronize: {e:?}")))
+    }
+
+    /// Batch-invariant mode (also `RECALL_BATCH_INVARIANT=1`): a row's result no longer depends on
+    /// the other rows of a call, on this backend as on the CPU, so chunked prefill, prefix reuse,
+    /// drafting and batching give bitwise the results of running each sequence alone in one piece.
+    /// Costs speed: every GEMM of a weight shape uses the one algorithm chosen for 2048 rows (no
+    /// split-K), and all paged attention runs the flash kernel (also for decode rows, which then get
+    /// no split-K). Off by default.
+    pub fn set_batch_invariant(&self, on: bool) {
+        self.lt.set_batch_invariant(on);
+    }
+
+    /// Whether batch-invariant mode is on.
+    pub fn batch_invariant(&self) -> bool {
+        self.lt.batch_invariant()
     }
 
     /// GEMM shapes planned so far (descriptors and algorithms cached by cuBLASLt shape).
@@ -835,6 +851,12 @@ impl Backend for CudaBackend {
                 "paged_attention",
                 format!("head_dim {} (at most {MAX_HEAD_DIM})", s.head_dim),
             ));
+        }
+        if rows > 0 && !self.attn_v1_only && self.batch_invariant() {
+            // One kernel for every row, whatever its sequence: results independent of the batch.
+            if let Some(out) = self.paged_attention_flash(q, k, v, s, seqs)? {
+                return Ok(out);
+            }
         }
         let decode = seqs.iter().all(|x| x.rows <= 1);
         if !decode && seqs.iter().any(|x| x.rows == 1) {
