@@ -9,13 +9,19 @@
 //! in two chunked calls (prefix, then the rest, as chunked prefill does), one row per call, or next to
 //! other sequences; a segment's rows do not depend on the other segments.
 //!
+//! And the cp.async-pipelined kernels (`flash_attention_d*`) against the kernel they replaced, kept as
+//! `flash_attention_v1_d*` (`*_flash_v1`): bitwise equal outputs on every shape above, on every padded
+//! head dim 16..128, and on long Qwen3-VL-sized calls; `flash_perf_vs_v1` (ignored, run with
+//! `-- --ignored --nocapture` on a device) times both on the perf targets.
+//!
 //! The CPU reference runs on exactly the values the GPU sees (inputs rounded to bf16). Outputs are
-//! poisoned with NaN before the kernel writes them. Every test prints a SKIP line and returns when no
-//! GPU, driver, NVRTC or CUDA headers are present.
+//! poisoned with NaN before the kernel writes them. Every GPU test prints a SKIP line and returns when
+//! no GPU, driver, NVRTC or CUDA headers are present; `flash_v1_reference_compiles_for_sm_90` needs
+//! only NVRTC (and fails without it under `CI=true`, like tests/kernel_compile.rs).
 #![cfg(feature = "cuda")]
 
 use recall::backend::cpu::{CpuBackend, CpuTensor};
-use recall::backend::cuda::{CudaBackend, CudaTensor};
+use recall::backend::cuda::{kernels, libs, CudaBackend, CudaTensor, KernelSource};
 use recall::backend::{AttnShape, Backend, PagedSeq};
 
 /// Max absolute error against the references.
@@ -376,4 +382,213 @@ fn flash_declines_unsupported_shapes_and_rejects_malformed_calls() {
         .unwrap()
         .unwrap();
     assert_eq!(g.dims(&out), (0, 64));
+}
+
+/// Padded head dims of the kernel instantiations.
+const PADDED_DIMS: [usize; 8] = [16, 32, 48, 64, 80, 96, 112, 128];
+
+fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+}
+
+#[test]
+fn flash_v1_reference_compiles_for_sm_90() {
+    if let Err(e) = libs::ensure_nvrtc().and_then(|()| libs::find_cuda_include().map(|_| ())) {
+        assert!(!in_ci(), "CI=true but NVRTC or the CUDA headers are missing: {e}");
+        eprintln!("SKIP flash_v1_reference_compiles_for_sm_90: {e}");
+        return;
+    }
+    // What flash.rs builds for `*_flash_v1` (FLASH_V1_SOURCE).
+    let src = KernelSource {
+        name: "flash_attention_v1",
+        source: concat!(
+            "#define FLASH_ATTENTION_V1 1\n",
+            include_str!("../kernels/flash_attention.cu")
+        ),
+        functions: &[],
+    };
+    let cubin = kernels::compile(&src, "sm_90").unwrap_or_else(|e| panic!("{e}"));
+    let has = |name: &str| {
+        cubin
+            .windows(name.len() + 1)
+            .any(|w| w[..name.len()] == *name.as_bytes() && w[name.len()] == 0)
+    };
+    for dp in PADDED_DIMS {
+        assert!(has(&format!("flash_attention_v1_d{dp}")), "v1 d{dp} missing");
+        assert!(
+            !has(&format!("flash_attention_d{dp}")),
+            "pipelined d{dp} in the reference build"
+        );
+    }
+    eprintln!(
+        "kernels/flash_attention.cu (FLASH_ATTENTION_V1) -> sm_90 CUBIN, {} bytes",
+        cubin.len()
+    );
+}
+
+/// Pipelined vs reference kernel on one paged case: bitwise equal.
+fn paged_equals_v1(g: &CudaBackend, c: &PagedCase) {
+    let batch = c.batch();
+    let new = bits(g, &c.flash(g, &c.q.gpu, &batch));
+    let v1 = g
+        .paged_attention_flash_v1(&c.q.gpu, &c.k.gpu, &c.v.gpu, c.shape, &batch)
+        .unwrap()
+        .expect("supported shape");
+    let v1 = bits(g, &v1);
+    let differ = new.iter().zip(&v1).filter(|(a, b)| a != b).count();
+    assert!(differ == 0, "{}: {differ} elements differ from v1", c.name());
+    eprintln!("paged flash == v1 bitwise {}", c.name());
+}
+
+/// Pipelined vs reference kernel on one segments case: bitwise equal.
+fn segments_equal_v1(g: &CudaBackend, rng: &mut fastrand::Rng, heads: usize, d: usize, cu: &[usize]) {
+    let [q, k, v] = segment_inputs(g, rng, heads, d, *cu.last().unwrap());
+    let new = g
+        .attention_segments_flash(&q.gpu, &k.gpu, &v.gpu, heads, cu)
+        .unwrap()
+        .expect("supported");
+    let v1 = g
+        .attention_segments_flash_v1(&q.gpu, &k.gpu, &v.gpu, heads, cu)
+        .unwrap()
+        .expect("supported");
+    let (new, v1) = (bits(g, &new), bits(g, &v1));
+    let differ = new.iter().zip(&v1).filter(|(a, b)| a != b).count();
+    let case = format!("{heads} × {d}, cu {cu:?}");
+    assert!(differ == 0, "segments {case}: {differ} elements differ from v1");
+    eprintln!("segments flash == v1 bitwise {case}");
+}
+
+#[test]
+fn pipelined_flash_equals_v1_bitwise() {
+    let Some(g) = gpu() else { return };
+    let mut rng = fastrand::Rng::with_seed(16);
+    let batches: [&[(usize, usize)]; 4] = [
+        &[(100, 100)],
+        &[(37, 37), (64, 64), (130, 130)],
+        &[(50, 200), (1, 77), (65, 65)],
+        &[(200, 330)],
+    ];
+    for (qh, kvh, d, bs) in PAGED_SHAPES {
+        for seqs in batches {
+            paged_equals_v1(&g, &PagedCase::new(&g, &mut rng, shape(qh, kvh, d, bs), seqs));
+        }
+    }
+    // Every instantiation (d = padded dim and d = padded dim − 8), odd block sizes.
+    for dp in PADDED_DIMS {
+        for (d, bs) in [(dp, 16), (dp - 8, 8)] {
+            let c = PagedCase::new(&g, &mut rng, shape(4, 2, d, bs), &[(70, 150), (3, 3)]);
+            paged_equals_v1(&g, &c);
+            segments_equal_v1(&g, &mut rng, 2, d, &[0, 1, 65, 200]);
+        }
+    }
+    // Qwen3-VL-8B text heads (32 q / 8 kv × 128) continuing after cached context, and vision heads
+    // (16 × 72, non-causal segments).
+    let c = PagedCase::new(
+        &g,
+        &mut rng,
+        shape(32, 8, 128, 16),
+        &[(700, 2500), (64, 64), (2, 300)],
+    );
+    paged_equals_v1(&g, &c);
+    segments_equal_v1(&g, &mut rng, 16, 72, &[0, 1500, 1501, 3000]);
+    for (heads, d) in [(4, 72), (3, 80), (2, 64), (1, 128)] {
+        segments_equal_v1(&g, &mut rng, heads, d, &[0, 5, 300, 1024]);
+    }
+}
+
+/// Seconds per call of `kernel` (CUDA events, the backend's profiler), the median of `runs` calls.
+fn time_kernel(g: &CudaBackend, kernel: &str, runs: usize, mut f: impl FnMut()) -> f64 {
+    f(); // warm-up (and the reference module's first build)
+    let mut times = Vec::new();
+    for _ in 0..runs {
+        g.set_profiling(true);
+        f();
+        g.synchronize().unwrap();
+        let p = g.take_profile().unwrap();
+        g.set_profiling(false);
+        let t = p
+            .iter()
+            .find(|t| t.op == kernel)
+            .unwrap_or_else(|| panic!("{kernel} not profiled: {p:?}"));
+        times.push(t.seconds / t.calls as f64);
+    }
+    times.sort_by(f64::total_cmp);
+    times[runs / 2]
+}
+
+/// Times the pipelined and the reference kernels on the perf targets (Qwen3-VL-8B text prefill chunks
+/// of a 15k-token prompt in 4096-row chunks; a 10k-row vision segment) and checks they agree bitwise.
+/// A device benchmark, not a correctness test: `cargo test --release --test cuda_flash -- --ignored
+/// --nocapture`.
+#[test]
+#[ignore]
+fn flash_perf_vs_v1() {
+    let Some(g) = gpu() else { return };
+    g.set_poison(false);
+    let mut rng = fastrand::Rng::with_seed(17);
+    let (total, chunk) = (15_000usize, 4096usize);
+    let s = shape(32, 8, 128, 16);
+    let c = PagedCase::new(&g, &mut rng, s, &[(chunk, total)]);
+    let table = &c.tables[0][..];
+    for start in (0..total).step_by(chunk) {
+        let rows = chunk.min(total - start);
+        let seq = [PagedSeq {
+            rows,
+            context_len: start + rows,
+            block_table: table,
+        }];
+        let q = g.rows(&c.q.gpu, 0, rows).unwrap();
+        let mut out = (None, None);
+        let new = time_kernel(&g, "flash_attention_d128", 5, || {
+            out.0 = Some(c.flash(&g, &q, &seq));
+        });
+        let v1 = time_kernel(&g, "flash_attention_v1_d128", 5, || {
+            out.1 = g
+                .paged_attention_flash_v1(&q, &c.k.gpu, &c.v.gpu, s, &seq)
+                .unwrap();
+        });
+        assert!(
+            bits(&g, out.0.as_ref().unwrap()) == bits(&g, out.1.as_ref().unwrap()),
+            "chunk at {start}"
+        );
+        // 2 GEMMs x 2 flop per multiply-add x visible keys per row.
+        let pairs: f64 = (0..rows).map(|i| (start + i + 1) as f64).sum();
+        let flop = 4.0 * pairs * (s.head_dim * s.q_heads) as f64;
+        eprintln!(
+            "text chunk rows {start}..{}: pipelined {:.3} ms ({:.0} TFLOP/s), v1 {:.3} ms ({:.0} TFLOP/s), speed-up {:.2}x",
+            start + rows,
+            new * 1e3,
+            flop / new / 1e12,
+            v1 * 1e3,
+            flop / v1 / 1e12,
+            v1 / new
+        );
+    }
+    let (heads, d, n) = (16usize, 72usize, 10_240usize);
+    let [q, k, v] = segment_inputs(&g, &mut rng, heads, d, n);
+    let cu = [0, n];
+    let mut out = (None, None);
+    let new = time_kernel(&g, "flash_attention_d80", 5, || {
+        out.0 = g
+            .attention_segments_flash(&q.gpu, &k.gpu, &v.gpu, heads, &cu)
+            .unwrap();
+    });
+    let v1 = time_kernel(&g, "flash_attention_v1_d80", 5, || {
+        out.1 = g
+            .attention_segments_flash_v1(&q.gpu, &k.gpu, &v.gpu, heads, &cu)
+            .unwrap();
+    });
+    assert!(
+        bits(&g, out.0.as_ref().unwrap()) == bits(&g, out.1.as_ref().unwrap()),
+        "vision segment"
+    );
+    let flop = 4.0 * (n * n) as f64 * (heads * d) as f64;
+    eprintln!(
+        "vision segment {n} rows, {heads} x {d}: pipelined {:.3} ms ({:.0} TFLOP/s), v1 {:.3} ms ({:.0} TFLOP/s), speed-up {:.2}x",
+        new * 1e3,
+        flop / new / 1e12,
+        v1 * 1e3,
+        flop / v1 / 1e12,
+        v1 / new
+    );
 }

@@ -8,10 +8,22 @@
 //! was chunked (see the kernel's header comment). Head dims that are multiples of 8 up to 128 are
 //! supported (padded to a multiple of 16 on the device); anything else returns `Ok(None)` and the
 //! caller keeps the v1 kernels.
+//!
+//! The kernels stage K/V through two shared-memory stages filled by `cp.async` (dynamic shared
+//! memory, up to 69,632 bytes at head dim 128): [`configure`] raises each kernel's limit once at load
+//! time. The kernel before that pipeline is kept as `flash_attention_v1_d*` (the same file compiled
+//! with `FLASH_ATTENTION_V1`), built on demand by [`CudaBackend::paged_attention_flash_v1`] and
+//! [`CudaBackend::attention_segments_flash_v1`], the bitwise references of tests/cuda_flash.rs.
 
-use cudarc::driver::{DeviceRepr, LaunchConfig};
+use std::collections::HashMap;
+
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig, PushKernelArg};
 use xxhash_rust::xxh64::Xxh64;
 
+use super::graph::Mode;
+use super::kernels::{self, KernelSource};
+use super::libs::cuda_err;
 use super::params::{params, Traced};
 use super::{to_i32, CudaBackend, CudaTensor};
 use crate::backend::check::{self, shape_err};
@@ -24,6 +36,12 @@ const TILE_ROWS: usize = 64;
 const THREADS: u32 = 128;
 /// Largest supported head dim.
 const MAX_HEAD_DIM: usize = 128;
+/// Keys per K/V tile.
+const TILE_KEYS: usize = 64;
+/// K/V stages in shared memory (pipelined kernels).
+const STAGES: usize = 2;
+/// bf16 padding per shared-memory row.
+const ROW_PAD: usize = 8;
 /// The kernel for each padded head dim (`head_dim` rounded up to 16).
 const KERNELS: [(usize, &str); 8] = [
     (16, "flash_attention_d16"),
@@ -35,6 +53,52 @@ const KERNELS: [(usize, &str); 8] = [
     (112, "flash_attention_d112"),
     (128, "flash_attention_d128"),
 ];
+/// The reference kernels (before the pipeline), in the same order.
+const V1_KERNELS: [&str; 8] = [
+    "flash_attention_v1_d16",
+    "flash_attention_v1_d32",
+    "flash_attention_v1_d48",
+    "flash_attention_v1_d64",
+    "flash_attention_v1_d80",
+    "flash_attention_v1_d96",
+    "flash_attention_v1_d112",
+    "flash_attention_v1_d128",
+];
+
+/// `kernels/flash_attention.cu` built with the reference kernels instead of the pipelined ones. Not in
+/// [`SOURCES`](super::SOURCES): compiled (and cached) on first use by the `*_flash_v1` methods only.
+const FLASH_V1_SOURCE: KernelSource = KernelSource {
+    name: "flash_attention_v1",
+    source: concat!(
+        "#define FLASH_ATTENTION_V1 1\n",
+        include_str!("../../../kernels/flash_attention.cu")
+    ),
+    functions: &V1_KERNELS,
+};
+
+/// Dynamic shared memory of a pipelined kernel in bytes: `STAGES` × (K + V) × 64 keys × (DP + 8)
+/// bf16; must equal `flash_smem_bytes<DP>()` in the kernel (69,632 at DP = 128).
+fn smem_bytes(padded_dim: usize) -> usize {
+    STAGES * 2 * TILE_KEYS * (padded_dim + ROW_PAD) * 2
+}
+
+/// Raises the dynamic shared-memory limit of every pipelined flash kernel to what it launches with
+/// (over the default 48 KB from DP = 96 on). Called once by `CudaBackend::init` after loading the
+/// kernels; an error means the device cannot run them (they need sm_80 or newer anyway).
+pub(super) fn configure(funcs: &HashMap<&'static str, CudaFunction>) -> Result<()> {
+    for (dp, name) in KERNELS {
+        let f = funcs
+            .get(name)
+            .ok_or_else(|| cuda_err(format!("kernel {name} not loaded")))?;
+        let bytes = smem_bytes(dp);
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )
+        .map_err(|e| cuda_err(format!("{name}: {bytes} bytes of dynamic shared memory: {e:?}")))?;
+    }
+    Ok(())
+}
 
 params! {
     /// flash_attention.cu: flash_attention_d{16,32,...,128}.
@@ -61,16 +125,26 @@ struct Tile {
     kv_base: u32,
 }
 
-/// The kernel name for `head_dim`, or `None` when no instantiation covers it.
-fn kernel_for(head_dim: usize) -> Option<&'static str> {
+/// Which kernel family a launch uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Variant {
+    /// `flash_attention_d*`: cp.async double buffering (the production kernels).
+    Pipelined,
+    /// `flash_attention_v1_d*`: the reference, bitwise the same results.
+    V1,
+}
+
+/// The kernel for `head_dim`: its padded head dim and name, or `None` when no instantiation covers it.
+fn kernel_for(head_dim: usize, variant: Variant) -> Option<(usize, &'static str)> {
     if head_dim == 0 || head_dim % 8 != 0 || head_dim > MAX_HEAD_DIM {
         return None;
     }
     let padded = head_dim.next_multiple_of(16);
-    KERNELS
-        .iter()
-        .find(|(dp, _)| *dp == padded)
-        .map(|(_, name)| *name)
+    let i = KERNELS.iter().position(|(dp, _)| *dp == padded)?;
+    Some(match variant {
+        Variant::Pipelined => KERNELS[i],
+        Variant::V1 => (padded, V1_KERNELS[i]),
+    })
 }
 
 /// Tiles of `rows` query rows starting at q row `q_row`, the first at key position `pos0`.
@@ -150,6 +224,9 @@ fn tile_words(mut tiles: Vec<Tile>, tables: &[u32]) -> Vec<u32> {
 struct Launch<'a> {
     op: &'static str,
     kernel: &'static str,
+    variant: Variant,
+    /// The kernel's padded head dim.
+    padded_dim: usize,
     tiles: Vec<Tile>,
     tables: &'a [u32],
     q_heads: usize,
@@ -178,9 +255,36 @@ impl CudaBackend {
         shape: AttnShape,
         seqs: &[PagedSeq<'_>],
     ) -> Result<Option<CudaTensor>> {
+        self.paged_flash(q, k_pool, v_pool, shape, seqs, Variant::Pipelined)
+    }
+
+    /// [`paged_attention_flash`](Self::paged_attention_flash) on the reference kernel
+    /// `flash_attention_v1_d*` (the kernel before cp.async pipelining), for tests: the results must be
+    /// bitwise the same. Builds its module on first use (NVRTC, then the disk cache), loads it for each
+    /// call and waits for the launch; an error inside a step recording.
+    pub fn paged_attention_flash_v1(
+        &self,
+        q: &CudaTensor,
+        k_pool: &CudaTensor,
+        v_pool: &CudaTensor,
+        shape: AttnShape,
+        seqs: &[PagedSeq<'_>],
+    ) -> Result<Option<CudaTensor>> {
+        self.paged_flash(q, k_pool, v_pool, shape, seqs, Variant::V1)
+    }
+
+    fn paged_flash(
+        &self,
+        q: &CudaTensor,
+        k_pool: &CudaTensor,
+        v_pool: &CudaTensor,
+        shape: AttnShape,
+        seqs: &[PagedSeq<'_>],
+        variant: Variant,
+    ) -> Result<Option<CudaTensor>> {
         let dims = |x: &CudaTensor| (x.rows, x.cols);
         check::paged_attention(dims(q), dims(k_pool), dims(v_pool), shape, seqs)?;
-        let Some(kernel) = kernel_for(shape.head_dim) else {
+        let Some((padded_dim, kernel)) = kernel_for(shape.head_dim, variant) else {
             return Ok(None);
         };
         // The kernel reads rows, positions and table offsets as 32-bit ints.
@@ -192,6 +296,8 @@ impl CudaBackend {
         let launch = Launch {
             op,
             kernel,
+            variant,
+            padded_dim,
             tiles,
             tables: &tables,
             q_heads: shape.q_heads,
@@ -215,10 +321,35 @@ impl CudaBackend {
         heads: usize,
         cu_seqlens: &[usize],
     ) -> Result<Option<CudaTensor>> {
+        self.segments_flash(q, k, v, heads, cu_seqlens, Variant::Pipelined)
+    }
+
+    /// [`attention_segments_flash`](Self::attention_segments_flash) on the reference kernel, for tests
+    /// (see [`paged_attention_flash_v1`](Self::paged_attention_flash_v1)).
+    pub fn attention_segments_flash_v1(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        heads: usize,
+        cu_seqlens: &[usize],
+    ) -> Result<Option<CudaTensor>> {
+        self.segments_flash(q, k, v, heads, cu_seqlens, Variant::V1)
+    }
+
+    fn segments_flash(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        heads: usize,
+        cu_seqlens: &[usize],
+        variant: Variant,
+    ) -> Result<Option<CudaTensor>> {
         let dims = |x: &CudaTensor| (x.rows, x.cols);
         check::attention_segments(dims(q), dims(k), dims(v), heads, cu_seqlens)?;
         let head_dim = q.cols / heads;
-        let Some(kernel) = kernel_for(head_dim) else {
+        let Some((padded_dim, kernel)) = kernel_for(head_dim, variant) else {
             return Ok(None);
         };
         let op = "attention_segments";
@@ -226,6 +357,8 @@ impl CudaBackend {
         let launch = Launch {
             op,
             kernel,
+            variant,
+            padded_dim,
             tiles: segment_tiles(cu_seqlens),
             tables: &[],
             q_heads: heads,
@@ -237,7 +370,8 @@ impl CudaBackend {
     }
 
     /// Stages the tile records and launches one block per (tile, q head); `None` when an operand is
-    /// not 16-byte aligned (the kernel reads rows with 16-byte vector loads).
+    /// not 16-byte aligned (the kernel reads rows with 16-byte vector loads) or `k` has more rows than
+    /// an `i32` holds (the kernel keeps k/v row indices in 32 bits).
     fn flash(
         &self,
         q: &CudaTensor,
@@ -245,7 +379,7 @@ impl CudaBackend {
         v: &CudaTensor,
         l: Launch<'_>,
     ) -> Result<Option<CudaTensor>> {
-        if [q, k, v].iter().any(|x| x.ptr() % 16 != 0) {
+        if [q, k, v].iter().any(|x| x.ptr() % 16 != 0) || i32::try_from(k.rows).is_err() {
             return Ok(None);
         }
         let out = self.alloc_tensor(q.rows, q.cols)?;
@@ -283,11 +417,44 @@ impl CudaBackend {
         let cfg = LaunchConfig {
             grid_dim: (n_tiles as u32, l.q_heads as u32, 1),
             block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: match l.variant {
+                Variant::Pipelined => smem_bytes(l.padded_dim) as u32,
+                Variant::V1 => 0, // static
+            },
         };
-        self.launch(l.kernel, cfg, p)?;
+        match l.variant {
+            Variant::Pipelined => self.launch(l.kernel, cfg, p)?,
+            Variant::V1 => self.launch_v1(l.kernel, cfg, p)?,
+        }
         drop(words); // kept alive until the launch is queued
         Ok(Some(out))
+    }
+
+    /// Launches a reference kernel from its own module (built on demand, see [`FLASH_V1_SOURCE`]) and
+    /// waits for it, so the module can be unloaded when this returns. Not for step recordings. Timed
+    /// like any launch when profiling is on (the module load falls outside the timed span).
+    fn launch_v1(&self, name: &'static str, cfg: LaunchConfig, p: FlashParams) -> Result<()> {
+        if self.steps()?.mode != Mode::Direct {
+            return Err(cuda_err(format!(
+                "{name}: the reference kernels cannot run inside a step recording"
+            )));
+        }
+        let cubin = kernels::load_cubin(&FLASH_V1_SOURCE, &self.arch)?;
+        let module = self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+            .map_err(|e| cuda_err(format!("loading {}: {e:?}", FLASH_V1_SOURCE.name)))?;
+        let f = module
+            .load_function(name)
+            .map_err(|e| cuda_err(format!("kernel {name}: {e:?}")))?;
+        let timer = self.profile_start()?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&p);
+        // SAFETY: `p` matches the kernel's C parameter struct (FlashParams); every pointer in it is a
+        // live allocation of this context whose size the caller validated against the counts in `p`.
+        unsafe { b.launch(cfg) }.map_err(|e| cuda_err(format!("launching {name}: {e:?}")))?;
+        self.profile_end(name, timer)?;
+        self.synchronize()
     }
 }
 
@@ -297,14 +464,25 @@ mod tests {
 
     #[test]
     fn head_dims_map_to_padded_kernels() {
-        assert_eq!(kernel_for(128), Some("flash_attention_d128"));
-        assert_eq!(kernel_for(120), Some("flash_attention_d128"));
-        assert_eq!(kernel_for(72), Some("flash_attention_d80"));
-        assert_eq!(kernel_for(80), Some("flash_attention_d80"));
-        assert_eq!(kernel_for(8), Some("flash_attention_d16"));
+        let new = |d| kernel_for(d, Variant::Pipelined);
+        assert_eq!(new(128), Some((128, "flash_attention_d128")));
+        assert_eq!(new(120), Some((128, "flash_attention_d128")));
+        assert_eq!(new(72), Some((80, "flash_attention_d80")));
+        assert_eq!(new(80), Some((80, "flash_attention_d80")));
+        assert_eq!(new(8), Some((16, "flash_attention_d16")));
+        let v1 = |d| kernel_for(d, Variant::V1);
+        assert_eq!(v1(72), Some((80, "flash_attention_v1_d80")));
+        assert_eq!(v1(128), Some((128, "flash_attention_v1_d128")));
         for bad in [0, 4, 12, 130, 136, 256] {
-            assert_eq!(kernel_for(bad), None, "head_dim {bad}");
+            assert_eq!(new(bad), None, "head_dim {bad}");
+            assert_eq!(v1(bad), None, "head_dim {bad}");
         }
+        for ((dp, name), v1_name) in KERNELS.iter().zip(V1_KERNELS) {
+            assert_eq!(v1_name, name.replace("attention_d", "attention_v1_d"), "d{dp}");
+        }
+        assert!(FLASH_V1_SOURCE
+            .source
+            .starts_with("#define FLASH_ATTENTION_V1 1\n"));
         let names: Vec<&str> = crate::backend::cuda::SOURCES
             .iter()
             .find(|k| k.name == "flash_attention")
@@ -312,6 +490,15 @@ mod tests {
             .functions
             .to_vec();
         assert_eq!(names, KERNELS.map(|(_, n)| n).to_vec());
+    }
+
+    #[test]
+    fn shared_memory_fits_the_opt_in_limit() {
+        // The kernel's static_assert pins flash_smem_bytes<128>() to the same number.
+        assert_eq!(smem_bytes(128), 69_632);
+        assert_eq!(smem_bytes(80), 45_056);
+        // Opt-in limit per block: 227 KB on sm_90, 163 KB on sm_80, 99 KB on sm_86/89.
+        assert!(KERNELS.iter().all(|&(dp, _)| smem_bytes(dp) <= 99 * 1024));
     }
 
     #[test]
