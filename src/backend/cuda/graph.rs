@@ -32,8 +32,9 @@ use crate::error::Result;
 
 /// Alignment of step allocations and staged arrays (cuBLASLt and 16-byte vector loads want ≥ 16).
 const ALIGN: usize = 256;
-/// Initial step arena (grows by doubling when a recording runs out).
-const ARENA_BYTES: usize = 64 << 20;
+/// Initial step arena (grows by doubling when a recording runs out). A decode step's peak is a few
+/// activations plus the split-K partials: ~70 MB for 64 rows of the 8B shape.
+const ARENA_BYTES: usize = 256 << 20;
 /// Initial staging buffers.
 const STAGING_BYTES: usize = 1 << 20;
 

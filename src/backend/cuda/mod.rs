@@ -356,18 +356,21 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// `bytes` bytes of device memory: step memory inside a recorded or replayed step (falling back to
-    /// an ordinary allocation when the arena is full, which abandons the recording), else its own.
+    /// `bytes` bytes of device memory: step memory inside a recorded or replayed step (an error when
+    /// the arena is full, which abandons the recording), else its own allocation.
     fn alloc_bytes(&self, bytes: usize) -> Result<DevBuf> {
         {
             let mut steps = self.steps()?;
             if steps.mode != graph::Mode::Direct {
-                if let Some((ptr, lease)) = steps.alloc(bytes) {
-                    return Ok(DevBuf {
-                        ptr,
-                        _owner: Owner::Step(lease),
-                    });
-                }
+                // Full: fail the step (never allocate inside a capture); it then runs directly and
+                // the arena grows for the next recording.
+                let (ptr, lease) = steps
+                    .alloc(bytes)
+                    .ok_or_else(|| cuda_err(format!("step memory full ({bytes} bytes more)")))?;
+                return Ok(DevBuf {
+                    ptr,
+                    _owner: Owner::Step(lease),
+                });
             }
         }
         // SAFETY: every op writes all the elements of the buffers it allocates before they are read;
@@ -430,9 +433,11 @@ impl CudaBackend {
         {
             let mut steps = self.steps()?;
             if steps.mode != graph::Mode::Direct {
-                if let Some(ptr) = steps.stage(bytes, dedup.then_some(site)) {
-                    return Ok(Staged { ptr, _keep: None });
-                }
+                // Full: fail the step as for step memory (a host copy cannot be captured).
+                let ptr = steps
+                    .stage(bytes, dedup.then_some(site))
+                    .ok_or_else(|| cuda_err(format!("step staging full ({} bytes more)", bytes.len())))?;
+                return Ok(Staged { ptr, _keep: None });
             }
         }
         let buf = self
