@@ -131,6 +131,8 @@ pub struct CudaBackend {
     /// `RECALL_ATTN=v1`: use only the v1 attention kernels (the reference the v2 ones are checked
     /// against), e.g. to bisect a suspected kernel bug on a device.
     attn_v1_only: bool,
+    /// The flash kernels got their shared memory (see `init`).
+    flash_ok: bool,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -212,7 +214,11 @@ impl CudaBackend {
                 funcs.insert(f, func);
             }
         }
-        flash::configure(&funcs)?;
+        // The flash kernels want more than 48 KB of shared memory (Hopper has 227 KB per block); a GPU
+        // that cannot give it keeps the v1 attention kernels instead of failing.
+        let flash_ok = flash::configure(&funcs)
+            .map_err(|e| tracing::warn!("flash attention disabled, using the v1 kernels: {e}"))
+            .is_ok();
         let lt = blas::Lt::new(&stream)?;
         lt.set_batch_invariant(std::env::var("RECALL_BATCH_INVARIANT").is_ok_and(|v| v == "1" || v == "on"));
         tracing::info!("CUDA backend on {device_name} ({arch})");
@@ -227,6 +233,7 @@ impl CudaBackend {
             steps: Mutex::new(graph::Steps::new()),
             profile: Mutex::new(Profile::default()),
             attn_v1_only: std::env::var("RECALL_ATTN").is_ok_and(|v| v == "v1"),
+            flash_ok,
         })
     }
 
@@ -857,7 +864,7 @@ impl Backend for CudaBackend {
                 format!("head_dim {} (at most {MAX_HEAD_DIM})", s.head_dim),
             ));
         }
-        if rows > 0 && !self.attn_v1_only && self.batch_invariant() {
+        if rows > 0 && !self.attn_v1_only && self.flash_ok && self.batch_invariant() {
             // One kernel for every row, whatever its sequence: results independent of the batch.
             if let Some(out) = self.paged_attention_flash(q, k, v, s, seqs)? {
                 return Ok(out);
@@ -873,7 +880,10 @@ impl Backend for CudaBackend {
             let v2 = if decode {
                 self.paged_decode_v2(q, k, v, s, seqs)?
             } else {
-                self.paged_attention_flash(q, k, v, s, seqs)?
+                self.flash_ok
+                    .then(|| self.paged_attention_flash(q, k, v, s, seqs))
+                    .transpose()?
+                    .flatten()
             };
             if let Some(out) = v2 {
                 return Ok(out);
@@ -1011,7 +1021,7 @@ impl Backend for CudaBackend {
                 format!("head_dim {} (at most {MAX_HEAD_DIM})", q.cols / heads),
             ));
         }
-        if q.rows > 0 && !self.attn_v1_only {
+        if q.rows > 0 && !self.attn_v1_only && self.flash_ok {
             if let Some(out) = self.attention_segments_flash(q, k, v, heads, cu_seqlens)? {
                 return Ok(out);
             }
