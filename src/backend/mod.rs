@@ -173,6 +173,15 @@ pub trait Backend: Send + Sync {
     /// ids, positions, block tables), never on values read back from the device; tensors it returns are
     /// valid until the next `run_step`. A backend replays only when every launch matches the recording
     /// and falls back to running `f` directly otherwise, so results never depend on whether it replayed.
+    ///
+    /// ```
+    /// use recall::backend::{cpu::CpuBackend, Backend, StepKey};
+    /// let be = CpuBackend;
+    /// let key = StepKey { rows: 1, tag: 0 };
+    /// let x = be.run_step(key, &mut || be.upload(&[1.0, 2.0], 1, 2))?;
+    /// assert_eq!(be.download(&x)?, vec![1.0, 2.0]);
+    /// # Ok::<(), recall::Error>(())
+    /// ```
     fn run_step<R>(&self, key: StepKey, f: &mut dyn FnMut() -> Result<R>) -> Result<R> {
         let _ = key;
         f()

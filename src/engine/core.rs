@@ -100,10 +100,10 @@ pub struct EngineOutput {
     pub accepted_draft: usize,
 }
 
-/// One sequence's share of a step.
 /// Largest decode batch recorded as one replayable step (one recording per batch size).
 const MAX_REPLAY_ROWS: usize = 64;
 
+/// One sequence's share of a step.
 struct Work {
     seq: usize, // index into `running`
     start: usize,

@@ -237,12 +237,14 @@ impl Steps {
     /// (the step then runs directly and the arena grows).
     pub(super) fn alloc(&mut self, len: usize) -> Option<(u64, Lease)> {
         let (buf, arena) = self.arena.as_ref()?;
-        let off = arena.lock().ok()?.alloc(len);
+        let (off, epoch) = {
+            let mut a = arena.lock().ok()?;
+            (a.alloc(len), a.epoch)
+        };
         let Some(off) = off else {
             self.overflow = true;
             return None;
         };
-        let epoch = arena.lock().ok()?.epoch;
         let (base, _) = buf.device_ptr(buf.stream());
         Some((
             base + off as u64,
@@ -260,8 +262,14 @@ impl Steps {
     /// its own, for data an op may write).
     pub(super) fn stage(&mut self, bytes: &[u8], dedup: Option<u64>) -> Option<u64> {
         let key = xxhash_rust::xxh64::xxh64(bytes, dedup.unwrap_or(0) ^ bytes.len() as u64);
-        let off = match self.memo.get(&key).filter(|_| dedup.is_some()) {
-            Some(&off) => off,
+        let hit = self
+            .memo
+            .get(&key)
+            .filter(|_| dedup.is_some())
+            .copied()
+            .filter(|&off| self.staged_bytes(off, bytes.len()) == Some(bytes));
+        let off = match hit {
+            Some(off) => off,
             None => {
                 let off = self.staged;
                 let end = off + bytes.len();
@@ -283,6 +291,14 @@ impl Steps {
         let dev = self.staging.as_ref()?;
         let (base, _) = dev.device_ptr(dev.stream());
         Some(base + off as u64)
+    }
+
+    /// `len` staged bytes at `off` (a hash hit is confirmed against them: equal hashes are not enough).
+    fn staged_bytes(&self, off: usize, len: usize) -> Option<&[u8]> {
+        let pinned = self.pinned.as_ref()?;
+        // SAFETY: only offsets below `staged` (inside the buffer, written this step) are asked for.
+        (off + len <= self.staged.min(pinned.len))
+            .then(|| unsafe { std::slice::from_raw_parts(pinned.ptr.add(off), len) })
     }
 
     fn ensure_buffers(&mut self, stream: &Arc<CudaStream>) -> Result<()> {
