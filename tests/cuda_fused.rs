@@ -7,10 +7,12 @@
 //! Every test prints a SKIP line and returns when no GPU, driver, NVRTC or CUDA headers are present.
 #![cfg(feature = "cuda")]
 
+mod common;
+
+use common::{rel_err, Bf16Checkpoint};
 use recall::backend::cpu::{CpuBackend, CpuTensor};
 use recall::backend::cuda::{CudaBackend, CudaTensor};
 use recall::backend::Backend;
-use recall::model::loader::Checkpoint;
 
 const BF16_TOL: f32 = 1e-2;
 const OP: &str = "qk_norm_rope_write";
@@ -48,65 +50,6 @@ fn pair(g: &CudaBackend, data: &[f32], rows: usize, cols: usize) -> Pair {
     }
 }
 
-/// Weights written once as bf16 safetensors and loaded by both backends.
-struct Weights {
-    _dir: tempfile::TempDir,
-    ckpt: Checkpoint,
-}
-
-impl Weights {
-    fn new(tensors: &[(&str, Vec<f32>)]) -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("model.safetensors");
-        let bytes: Vec<(String, Vec<u8>, Vec<usize>)> = tensors
-            .iter()
-            .map(|(n, d)| {
-                let b = d
-                    .iter()
-                    .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
-                    .collect();
-                (n.to_string(), b, vec![d.len()])
-            })
-            .collect();
-        let views: Vec<(String, safetensors::tensor::TensorView)> = bytes
-            .iter()
-            .map(|(n, b, s)| {
-                let v = safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, s.clone(), b).unwrap();
-                (n.clone(), v)
-            })
-            .collect();
-        std::fs::write(&path, safetensors::serialize(views, &None).unwrap()).unwrap();
-        let ckpt = Checkpoint::open_file(&path).unwrap();
-        Weights { _dir: dir, ckpt }
-    }
-
-    fn both(
-        &self,
-        g: &CudaBackend,
-        name: &str,
-    ) -> (<CudaBackend as Backend>::Weight, <CpuBackend as Backend>::Weight) {
-        let t = self.ckpt.get(name).unwrap();
-        (g.load_weight(t).unwrap(), CpuBackend.load_weight(t).unwrap())
-    }
-}
-
-/// `max |got − want| / max(|want|, rms(want))`; fails on NaN or length.
-fn rel_err(got: &[f32], want: &[f32]) -> f32 {
-    assert_eq!(got.len(), want.len(), "output lengths differ");
-    let rms = (want.iter().map(|x| x * x).sum::<f32>() / want.len().max(1) as f32)
-        .sqrt()
-        .max(1e-30);
-    let mut worst = 0f32;
-    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        assert!(
-            !g.is_nan(),
-            "NaN at {i} (reference {w}): unwritten or broken output"
-        );
-        worst = worst.max((g - w).abs() / w.abs().max(rms));
-    }
-    worst
-}
-
 /// Asserts two downloads are the same bf16 values bit for bit (no NaN: poisoned elements fail).
 fn assert_bitwise(what: &str, got: &[f32], want: &[f32]) {
     assert_eq!(got.len(), want.len(), "{what}: lengths differ");
@@ -135,7 +78,7 @@ struct Inputs {
     v_pool: Vec<f32>,
     pool_rows: usize,
     slots: Vec<usize>,
-    weights: Weights,
+    weights: Bf16Checkpoint,
 }
 
 fn inputs(g: &CudaBackend, rng: &mut fastrand::Rng, s: Shape, slots: Vec<usize>, pool_rows: usize) -> Inputs {
@@ -154,9 +97,9 @@ fn inputs(g: &CudaBackend, rng: &mut fastrand::Rng, s: Shape, slots: Vec<usize>,
     let sin: Vec<f32> = angles.iter().map(|a| a.sin()).collect();
     let (cos, sin) = (pair(g, &cos, n, d), pair(g, &sin, n, d));
     let pool_len = pool_rows * kv_heads * d;
-    let weights = Weights::new(&[
-        ("q_norm", rand_vec(rng, d, 0.5, 1.5)),
-        ("k_norm", rand_vec(rng, d, 0.5, 1.5)),
+    let weights = Bf16Checkpoint::new(&[
+        ("q_norm", rand_vec(rng, d, 0.5, 1.5), vec![d]),
+        ("k_norm", rand_vec(rng, d, 0.5, 1.5), vec![d]),
     ]);
     Inputs {
         q,
@@ -249,7 +192,7 @@ fn check_case(g: &CudaBackend, x: &Inputs, s: Shape) {
         ("k pool", &kf, &kcpu.data),
         ("v pool", &vf, &vcpu.data),
     ] {
-        let err = rel_err(got, want);
+        let err = rel_err(got, want, BF16_TOL);
         eprintln!("{OP} {case} {what}: bitwise the composition; vs CPU rel err {err:.2e}");
         assert!(
             err <= BF16_TOL,
@@ -346,7 +289,7 @@ fn bad_inputs_are_errors_naming_the_op() {
     };
     let x = inputs(&g, &mut rng, s, vec![1, 5, 7], pool_rows);
     let (qn, kn) = (x.weights.both(&g, "q_norm").0, x.weights.both(&g, "k_norm").0);
-    let w17 = Weights::new(&[("w", rand_vec(&mut rng, d + 1, 0.5, 1.5))]);
+    let w17 = Bf16Checkpoint::new(&[("w", rand_vec(&mut rng, d + 1, 0.5, 1.5), vec![d + 1])]);
     let (w17, _) = w17.both(&g, "w");
     let cols = kv_heads * d;
     let odd = pair(&g, &rand_vec(&mut rng, n * 15, -1.0, 1.0), n, 15);

@@ -15,6 +15,8 @@
 
 mod common;
 
+use common::{rel_err, Bf16Checkpoint};
+
 use std::path::Path;
 
 use recall::backend::cpu::{CpuBackend, CpuTensor};
@@ -67,81 +69,10 @@ fn rand_pair(g: &CudaBackend, rng: &mut fastrand::Rng, rows: usize, cols: usize,
     pair(g, &rand_vec(rng, rows * cols, -range, range), rows, cols)
 }
 
-/// Weights written once as bf16 safetensors and loaded by both backends.
-struct Weights {
-    _dir: tempfile::TempDir,
-    ckpt: Checkpoint,
-}
-
-impl Weights {
-    fn new(tensors: &[(&str, Vec<f32>, Vec<usize>)]) -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("model.safetensors");
-        let bytes: Vec<(String, Vec<u8>, Vec<usize>)> = tensors
-            .iter()
-            .map(|(n, d, s)| {
-                let b = d
-                    .iter()
-                    .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
-                    .collect();
-                (n.to_string(), b, s.clone())
-            })
-            .collect();
-        let views: Vec<(String, safetensors::tensor::TensorView)> = bytes
-            .iter()
-            .map(|(n, b, s)| {
-                let v = safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, s.clone(), b).unwrap();
-                (n.clone(), v)
-            })
-            .collect();
-        std::fs::write(&path, safetensors::serialize(views, &None).unwrap()).unwrap();
-        let ckpt = Checkpoint::open_file(&path).unwrap();
-        Weights { _dir: dir, ckpt }
-    }
-
-    fn both(
-        &self,
-        g: &CudaBackend,
-        name: &str,
-    ) -> (<CudaBackend as Backend>::Weight, <CpuBackend as Backend>::Weight) {
-        let t = self.ckpt.get(name).unwrap();
-        (g.load_weight(t).unwrap(), CpuBackend.load_weight(t).unwrap())
-    }
-}
-
-/// `max |got − want| / max(|want|, rms(want))`; fails on NaN, mismatched infinities or length.
-fn rel_err(got: &[f32], want: &[f32]) -> f32 {
-    assert_eq!(got.len(), want.len(), "output lengths differ");
-    let rms = (want.iter().filter(|x| x.is_finite()).map(|x| x * x).sum::<f32>() / want.len().max(1) as f32)
-        .sqrt()
-        .max(1e-30);
-    let mut worst = 0f32;
-    let mut shown = 0;
-    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        assert!(
-            !g.is_nan() || w.is_nan(),
-            "NaN at {i} (reference {w}): unwritten or broken output"
-        );
-        if !w.is_finite() {
-            assert_eq!(g, w, "infinity mismatch at {i}");
-            continue;
-        }
-        let e = (g - w).abs() / w.abs().max(rms);
-        if e > worst {
-            worst = e;
-        }
-        if e > BF16_TOL && shown < 10 {
-            eprintln!("  mismatch at {i}: got {g}, reference {w}");
-            shown += 1;
-        }
-    }
-    worst
-}
-
 /// Compares a GPU tensor to its CPU twin and prints one line per case.
 fn check(g: &CudaBackend, op: &str, case: &str, got: &CudaTensor, want: &CpuTensor, tol: f32) {
     assert_eq!(g.dims(got), CpuBackend.dims(want), "{op} {case}: shape");
-    let err = rel_err(&g.download(got).unwrap(), &want.data);
+    let err = rel_err(&g.download(got).unwrap(), &want.data, BF16_TOL);
     eprintln!("{op:<22} {case:<34} rel err {err:.2e} (bound {tol:.0e})");
     assert!(err <= tol, "{op} {case}: relative error {err} > {tol}");
 }
@@ -255,7 +186,7 @@ fn embeddings_match_cpu() {
     let Some(g) = gpu() else { return };
     let mut rng = fastrand::Rng::with_seed(3);
     for (vocab, cols) in [(50, 33), (1040, 64), (7, 1)] {
-        let w = Weights::new(&[(
+        let w = Bf16Checkpoint::new(&[(
             "t",
             rand_vec(&mut rng, vocab * cols, -1.0, 1.0),
             vec![vocab, cols],
@@ -294,7 +225,7 @@ fn linear_matches_cpu() {
         (64, 4096, 8),
     ] {
         let scale = 1.0 / (inp as f32).sqrt();
-        let w = Weights::new(&[
+        let w = Bf16Checkpoint::new(&[
             ("w", rand_vec(&mut rng, out * inp, -scale, scale), vec![out, inp]),
             ("b", rand_vec(&mut rng, out, -1.0, 1.0), vec![out]),
         ]);
@@ -338,7 +269,7 @@ fn norms_match_cpu() {
         (9, 48, 16),
         (1, 1, 1),
     ] {
-        let w = Weights::new(&[
+        let w = Bf16Checkpoint::new(&[
             ("w", rand_vec(&mut rng, group, 0.5, 1.5), vec![group]),
             ("lw", rand_vec(&mut rng, cols, 0.5, 1.5), vec![cols]),
             ("lb", rand_vec(&mut rng, cols, -0.5, 0.5), vec![cols]),
@@ -438,7 +369,7 @@ fn attention_case(
         shape.q_heads, shape.kv_heads, shape.head_dim, shape.block_size
     );
     let case: String = case.chars().take(60).collect();
-    let err = rel_err(&g.download(&got).unwrap(), &want.data);
+    let err = rel_err(&g.download(&got).unwrap(), &want.data, BF16_TOL);
     eprintln!("paged_attention        {case:<34} rel err {err:.2e} (bound {BF16_TOL:.0e})");
     err
 }
@@ -538,7 +469,7 @@ fn vocab_reductions_match_cpu() {
         let targets: Vec<u32> = (0..rows).map(|_| rng.u32(0..vocab as u32)).collect();
         let got = g.log_softmax_gather(&x.gpu, &targets).unwrap();
         let want = CpuBackend.log_softmax_gather(&x.cpu, &targets).unwrap();
-        let err = rel_err(&got, &want);
+        let err = rel_err(&got, &want, BF16_TOL);
         eprintln!(
             "log_softmax_gather     [{rows}, {vocab}]{:<20} rel err {err:.2e} (bound {F32_TOL:.0e})",
             ""
@@ -613,7 +544,7 @@ mod models {
                 )
                 .unwrap();
             let (want, _) = reference.f32(&format!("p{i}.logits"));
-            let err = rel_err(&be.download(&out.logits).unwrap(), &want);
+            let err = rel_err(&be.download(&out.logits).unwrap(), &want, BF16_TOL);
             eprintln!(
                 "{} {name}: logits rel err {err:.2e} (bound {MODEL_TOL:.0e})",
                 dir.display()

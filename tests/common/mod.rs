@@ -108,3 +108,81 @@ pub fn hf_pixels(reference: &Reference, prefix: &str, patch_dim: usize) -> Vec<r
         })
         .collect()
 }
+
+/// Tensors written once as a bf16 safetensors file in a temporary directory, so that every backend
+/// loads exactly the same (bf16-rounded) weights.
+pub struct Bf16Checkpoint {
+    _dir: tempfile::TempDir,
+    pub ckpt: recall::model::loader::Checkpoint,
+}
+
+impl Bf16Checkpoint {
+    /// `(name, values, shape)` per tensor.
+    pub fn new(tensors: &[(&str, Vec<f32>, Vec<usize>)]) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("model.safetensors");
+        let bytes: Vec<(String, Vec<u8>, Vec<usize>)> = tensors
+            .iter()
+            .map(|(n, d, s)| {
+                let b = d
+                    .iter()
+                    .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                    .collect();
+                (n.to_string(), b, s.clone())
+            })
+            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView)> = bytes
+            .iter()
+            .map(|(n, b, s)| {
+                let v = safetensors::tensor::TensorView::new(Dtype::BF16, s.clone(), b).unwrap();
+                (n.clone(), v)
+            })
+            .collect();
+        std::fs::write(&path, safetensors::serialize(views, &None).unwrap()).unwrap();
+        let ckpt = recall::model::loader::Checkpoint::open_file(&path).unwrap();
+        Bf16Checkpoint { _dir: dir, ckpt }
+    }
+
+    /// Tensor `name` loaded on the GPU and on the CPU.
+    #[cfg(feature = "cuda")]
+    pub fn both(
+        &self,
+        g: &recall::backend::cuda::CudaBackend,
+        name: &str,
+    ) -> (recall::backend::cuda::CudaWeight, recall::backend::cpu::CpuWeight) {
+        use recall::backend::Backend;
+        let t = self.ckpt.get(name).unwrap();
+        (
+            g.load_weight(t).unwrap(),
+            recall::backend::cpu::CpuBackend.load_weight(t).unwrap(),
+        )
+    }
+}
+
+/// `max |got − want| / max(|want|, rms(want))`; fails on NaN, mismatched infinities or length. Prints
+/// the first elements whose error is above `show_above`.
+pub fn rel_err(got: &[f32], want: &[f32], show_above: f32) -> f32 {
+    assert_eq!(got.len(), want.len(), "output lengths differ");
+    let rms = (want.iter().filter(|x| x.is_finite()).map(|x| x * x).sum::<f32>() / want.len().max(1) as f32)
+        .sqrt()
+        .max(1e-30);
+    let mut worst = 0f32;
+    let mut shown = 0;
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            !g.is_nan() || w.is_nan(),
+            "NaN at {i} (reference {w}): unwritten or broken output"
+        );
+        if !w.is_finite() {
+            assert_eq!(g, w, "infinity mismatch at {i}");
+            continue;
+        }
+        let e = (g - w).abs() / w.abs().max(rms);
+        worst = worst.max(e);
+        if e > show_above && shown < 10 {
+            eprintln!("  mismatch at {i}: got {g}, reference {w}");
+            shown += 1;
+        }
+    }
+    worst
+}
