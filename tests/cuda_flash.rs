@@ -20,6 +20,9 @@
 //! only NVRTC (and fails without it under `CI=true`, like tests/kernel_compile.rs).
 #![cfg(feature = "cuda")]
 
+mod common;
+
+use common::shuffled_tables;
 use recall::backend::cpu::{CpuBackend, CpuTensor};
 use recall::backend::cuda::{kernels, libs, CudaBackend, CudaTensor, KernelSource};
 use recall::backend::{AttnShape, Backend, PagedSeq};
@@ -106,15 +109,7 @@ struct PagedCase {
 impl PagedCase {
     fn new(g: &CudaBackend, rng: &mut fastrand::Rng, shape: AttnShape, seqs: &[(usize, usize)]) -> Self {
         let per_seq: Vec<usize> = seqs.iter().map(|&(_, c)| c.div_ceil(shape.block_size)).collect();
-        let num_blocks = per_seq.iter().sum::<usize>() + 3;
-        let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
-        rng.shuffle(&mut ids);
-        let mut tables = Vec::new();
-        let mut next = 0;
-        for &n in &per_seq {
-            tables.push(ids[next..next + n].to_vec());
-            next += n;
-        }
+        let (tables, num_blocks) = shuffled_tables(rng, &per_seq, 3);
         let slots = num_blocks * shape.block_size;
         let kvd = shape.kv_heads * shape.head_dim;
         let rows: usize = seqs.iter().map(|s| s.0).sum();

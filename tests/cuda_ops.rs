@@ -15,7 +15,7 @@
 
 mod common;
 
-use common::{rel_err, Bf16Checkpoint};
+use common::{rel_err, shuffled_tables, Bf16Checkpoint};
 
 use std::path::Path;
 
@@ -334,15 +334,7 @@ fn attention_case(
     seqs: &[(usize, usize)],
 ) -> f32 {
     let blocks_per: Vec<usize> = seqs.iter().map(|&(_, c)| c.div_ceil(shape.block_size)).collect();
-    let num_blocks = blocks_per.iter().sum::<usize>() + 3;
-    let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
-    rng.shuffle(&mut ids);
-    let mut tables = Vec::new();
-    let mut next = 0;
-    for &b in &blocks_per {
-        tables.push(ids[next..next + b].to_vec());
-        next += b;
-    }
+    let (tables, num_blocks) = shuffled_tables(rng, &blocks_per, 3);
     let slots = num_blocks * shape.block_size;
     let kvd = shape.kv_heads * shape.head_dim;
     let (k, v) = (
@@ -505,7 +497,7 @@ fn vocab_reductions_match_cpu() {
 
 mod models {
     use super::*;
-    use common::{fixture, Reference};
+    use common::{fixture, prompt_logits as logits, Reference};
     use recall::engine::{generate, GenerateParams, Pipeline, PromptInput};
     use recall::model::{AdapterMode, LogitsFor, Positions};
     use recall::tokenize::chat::parse_messages;
@@ -574,27 +566,6 @@ mod models {
     #[test]
     fn tiny_qwen3_vl_bf16_on_cuda_matches_hf() {
         check_model(&fixture("tiny-qwen3-vl-bf16"));
-    }
-
-    fn logits(p: &Pipeline<CudaBackend>, input: &PromptInput<CudaTensor>) -> Vec<f32> {
-        let be = &p.backend;
-        let mut cache = p.model.text.new_cache(be, input.ids.len()).unwrap();
-        let lora = input.lora_rows();
-        let out = p
-            .model
-            .text
-            .forward(
-                be,
-                &input.ids,
-                &input.positions,
-                input.visual.as_ref(),
-                &lora,
-                &mut cache,
-                LogitsFor::All,
-                false,
-            )
-            .unwrap();
-        be.download(&out.logits).unwrap()
     }
 
     /// HGKV with no history image: the adapter must not run, so logits are bitwise the frozen model's.

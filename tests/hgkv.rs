@@ -9,13 +9,13 @@ mod common;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use common::{fixture, hf_pixels, max_abs_diff, Reference};
-use recall::backend::{cpu::CpuBackend, Backend};
+use common::{fixture, hf_pixels, max_abs_diff, prompt_logits as logits, Reference};
+use recall::backend::cpu::CpuBackend;
 use recall::engine::{
     EngineConfig, GenerateParams, ImageHash, ImageRole, Outcome, Pipeline, Prompt, PromptInput,
     RequestOptions, Segment, Task,
 };
-use recall::model::{AdapterMode, LogitsFor};
+use recall::model::AdapterMode;
 use recall::tokenize::chat::{parse_messages, render_chat_with_images, ChatFamily};
 use recall::vision::{preprocess, ImageSource};
 
@@ -25,27 +25,6 @@ fn pipeline(adapter: Option<&str>, mode: AdapterMode) -> Pipeline<CpuBackend> {
         p.load_adapter(&fixture(a), mode).unwrap();
     }
     p
-}
-
-fn logits(p: &Pipeline<CpuBackend>, input: &PromptInput<recall::backend::cpu::CpuTensor>) -> Vec<f32> {
-    let be = &p.backend;
-    let mut cache = p.model.text.new_cache(be, input.ids.len()).unwrap();
-    let lora = input.lora_rows();
-    let out = p
-        .model
-        .text
-        .forward(
-            be,
-            &input.ids,
-            &input.positions,
-            input.visual.as_ref(),
-            &lora,
-            &mut cache,
-            LogitsFor::All,
-            false,
-        )
-        .unwrap();
-    be.download(&out.logits).unwrap()
 }
 
 /// Prompt `i` of the HGKV reference, prepared with HF's pixel values.

@@ -186,3 +186,43 @@ pub fn rel_err(got: &[f32], want: &[f32], show_above: f32) -> f32 {
     }
     worst
 }
+
+/// Logits of every position of `input`, run alone through the text model (a fresh cache).
+pub fn prompt_logits<B: recall::backend::Backend>(
+    p: &recall::engine::Pipeline<B>,
+    input: &recall::engine::PromptInput<B::Tensor>,
+) -> Vec<f32> {
+    let be = &p.backend;
+    let mut cache = p.model.text.new_cache(be, input.ids.len()).unwrap();
+    let lora = input.lora_rows();
+    let out = p
+        .model
+        .text
+        .forward(
+            be,
+            &input.ids,
+            &input.positions,
+            input.visual.as_ref(),
+            &lora,
+            &mut cache,
+            recall::model::LogitsFor::All,
+            false,
+        )
+        .unwrap();
+    be.download(&out.logits).unwrap()
+}
+
+/// Block tables for sequences needing `blocks[i]` blocks each, drawn without repetition from a
+/// shuffled pool with `spare` unused blocks: `(tables, blocks in the pool)`.
+pub fn shuffled_tables(rng: &mut fastrand::Rng, blocks: &[usize], spare: usize) -> (Vec<Vec<u32>>, usize) {
+    let num_blocks = blocks.iter().sum::<usize>() + spare;
+    let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
+    rng.shuffle(&mut ids);
+    let mut tables = Vec::new();
+    let mut next = 0;
+    for &n in blocks {
+        tables.push(ids[next..next + n].to_vec());
+        next += n;
+    }
+    (tables, num_blocks)
+}
