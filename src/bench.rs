@@ -1494,6 +1494,7 @@ impl<B: Backend> Ctx<'_, B> {
                 block_size: self.args.block_size,
                 num_blocks: self.pool_blocks,
                 kv_cache_bytes: None,
+                memory_utilization: None,
                 chunk_size: self.args.chunk_size,
                 max_batch_tokens: self.args.max_batch_tokens,
                 vision_cache_bytes: usize::MAX / 2,

@@ -64,6 +64,20 @@ pub enum Error {
     #[error("CUDA: {0}")]
     Cuda(String),
 
+    /// The KV pool has too few free blocks for an operation (`what`). Admission waits and decode
+    /// preempts on this error; it reaches a caller only when a request can never fit.
+    #[error("KV cache full: {what} needs {needed} blocks, {available} available of {total}")]
+    KvCacheFull {
+        what: String,
+        needed: usize,
+        available: usize,
+        total: usize,
+    },
+
+    /// The request was cancelled (its client went away, or it was aborted) before it finished.
+    #[error("request cancelled")]
+    Cancelled,
+
     /// A request is invalid (empty prompt, token id out of range, ...).
     #[error("invalid request: {0}")]
     InvalidRequest(String),

@@ -296,7 +296,12 @@ fn small_pool_random_run_keeps_invariants_and_outputs() {
         ..EngineConfig::default()
     };
     let mut e = f.engine(cfg);
-    assert_eq!(e.config().num_blocks, 120);
+    assert_eq!(e.num_blocks(), 120);
+    assert_eq!(
+        e.config().num_blocks,
+        EngineConfig::default().num_blocks,
+        "the config is kept as given"
+    );
     let mut ids = Vec::new();
     let mut outputs = Vec::new();
     let mut next = 0;

@@ -26,6 +26,16 @@ pub trait Backend: Send + Sync {
     /// Short name for logs and errors ("cpu", "cuda").
     fn name(&self) -> &'static str;
 
+    /// Bytes of one element of activations and of the KV pool (4 for f32, 2 for bf16): what sizes a
+    /// KV pool or a cache of embeddings given in bytes.
+    fn element_bytes(&self) -> usize;
+
+    /// `(free, total)` bytes of the device's own memory, for sizing the KV pool from what is left
+    /// after the weights; `None` when tensors live in host memory (the CPU backend).
+    fn memory_info(&self) -> Result<Option<(usize, usize)>> {
+        Ok(None)
+    }
+
     /// Makes a checkpoint tensor available to the ops (a view on CPU, a copy on a device).
     fn load_weight(&self, tensor: &TensorRef) -> Result<Self::Weight>;
     /// The shape of a loaded weight.

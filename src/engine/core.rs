@@ -1,40 +1,41 @@
 //! The engine: continuous batching of prefill chunks and decode steps over a paged KV pool whose
 //! prefix cache makes every shared prefix (a second pass, the next agent step, sibling prompts in a
-//! scoring call) cost nothing the second time — and change nothing, because a cached block holds
-//! exactly the K/V its key determines.
+//! scoring call, another client's request) cost nothing the second time — and change nothing,
+//! because a cached block holds exactly the K/V its key determines.
 //!
-//! `step()` is schedule → run → postprocess:
-//! * schedule: every decoding sequence gets one token; prefilling sequences get chunks of up to
-//!   `chunk_size` tokens while the batch has room; waiting requests are admitted when blocks allow
-//!   (their cached prefix is reused, never ending inside an image).
-//! * run: one batched forward (`TextModel::forward_batch`).
-//! * postprocess: greedy choice or log-prob collection, K/V registered in the prefix index, finished
-//!   requests released.
+//! `step()` reads like nano-vllm's: the [`Scheduler`] admits and plans (preempting when the pool is
+//! full), the [`Runner`] runs one batched forward, and [`postprocess`] turns the logits into tokens,
+//! verified drafts and scores.
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 
-use crate::backend::{Backend, StepKey};
-use crate::engine::generate::finish_reason;
+use crate::backend::Backend;
+use crate::engine::postprocess::postprocess;
 use crate::engine::prompt::{FlatPrompt, ImageHash, ImageRole, Prompt, Segment};
+use crate::engine::runner::Runner;
+use crate::engine::sampling::{Sampler, Sampling, TokenLogprobs};
+use crate::engine::scheduler::Scheduler;
 use crate::engine::sequence::{Injected, RequestId, Sequence, Task};
 use crate::engine::vision_cache::{VisionCache, VisionEntry};
 use crate::engine::{GenerateParams, Generation, Score};
 use crate::error::{Error, Result};
 use crate::kv::{KvBlockManager, KvStats, TokenKey};
-use crate::model::{AdapterMode, BatchItem, KvPool, LogitsFor, QwenVl, VisualFeatures};
+use crate::model::{AdapterMode, QwenVl};
 use crate::tokenize::Tokenizer;
 use crate::vision::PixelValues;
 
 /// Sizes and policies of an [`Engine`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct EngineConfig {
     /// Tokens per KV block.
     pub block_size: usize,
-    /// Blocks in the KV pool (ignored when `kv_cache_bytes` is set).
+    /// Blocks in the KV pool (when neither `memory_utilization` applies nor `kv_cache_bytes` is set).
     pub num_blocks: usize,
     /// Size the KV pool by bytes instead: as many blocks as fit.
     pub kv_cache_bytes: Option<usize>,
+    /// On a backend with its own memory (a GPU), size the KV pool so that everything uses at most
+    /// this fraction of the device's memory (vLLM's `gpu_memory_utilization`); ignored on the CPU.
+    pub memory_utilization: Option<f64>,
     /// Most prompt tokens of one sequence per step (chunked prefill).
     pub chunk_size: usize,
     /// Most tokens in one batched forward.
@@ -51,6 +52,7 @@ impl Default for EngineConfig {
             block_size: 16,
             num_blocks: 1024,
             kv_cache_bytes: None,
+            memory_utilization: None,
             chunk_size: 512,
             max_batch_tokens: 2048,
             vision_cache_bytes: 1 << 30,
@@ -71,7 +73,7 @@ pub enum Outcome {
 }
 
 /// Per-request options.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct RequestOptions {
     /// Return the logits of every generation decision.
     pub return_logits: bool,
@@ -83,8 +85,13 @@ pub struct RequestOptions {
     pub adapter: AdapterMode,
     /// Generation only: tokens expected to be generated (e.g. the first pass's answer). They are
     /// computed together with the prompt and verified greedily; the output is exactly what plain
-    /// decoding gives, in fewer forwards when the draft is right.
+    /// decoding gives, in fewer forwards when the draft is right. Needs greedy sampling.
     pub draft: Vec<u32>,
+    /// Generation only: how tokens are chosen (greedy by default).
+    pub sampling: Sampling,
+    /// Generation only: return each generated token's log-probability and this many most likely
+    /// alternatives.
+    pub logprobs: Option<usize>,
 }
 
 /// A finished request.
@@ -94,21 +101,40 @@ pub struct EngineOutput {
     pub outcome: Outcome,
     /// Logits of every generation decision (when asked for in [`RequestOptions`]).
     pub decision_logits: Vec<Vec<f32>>,
-    /// Prompt tokens served from the prefix cache.
+    /// Log-probabilities of the generated tokens (when asked for in [`RequestOptions`]).
+    pub logprobs: Vec<TokenLogprobs>,
+    /// Prompt tokens (image tokens included).
+    pub prompt_tokens: usize,
+    /// Prompt tokens served from the prefix cache when the request was admitted.
     pub reused_tokens: usize,
     /// Draft tokens accepted by verification.
     pub accepted_draft: usize,
+    /// Forwards the request took part in.
+    pub forwards: u64,
+    /// Times the request was preempted (and recomputed) to let others decode.
+    pub preemptions: u32,
 }
 
-/// Largest decode batch recorded as one replayable step (one recording per batch size).
-const MAX_REPLAY_ROWS: usize = 64;
+/// What a running generation has produced so far (for streaming).
+#[derive(Debug, Clone, Copy)]
+pub struct Progress<'a> {
+    pub generated: &'a [u32],
+    pub logprobs: &'a [TokenLogprobs],
+    /// Prompt tokens served from the prefix cache (0 until admitted).
+    pub reused_tokens: usize,
+}
 
-/// One sequence's share of a step.
-struct Work {
-    seq: usize, // index into `running`
-    start: usize,
-    len: usize,
-    logits: Option<LogitsFor>,
+/// Counters and gauges of an engine, for logs and `/metrics`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    pub kv: KvStats,
+    pub num_blocks: usize,
+    pub waiting: usize,
+    pub running: usize,
+    pub preemptions: u64,
+    pub forwards: u64,
+    pub vision_tower_runs: u64,
+    pub vision_cache_hits: u64,
 }
 
 /// Continuous-batching engine over one model.
@@ -117,12 +143,14 @@ pub struct Engine<'m, B: Backend> {
     model: &'m QwenVl<B>,
     tokenizer: Option<&'m Tokenizer>,
     cfg: EngineConfig,
-    pool: KvPool<B>,
+    num_blocks: usize,
+    runner: Runner<'m, B>,
     blocks: KvBlockManager,
+    scheduler: Scheduler<B::Tensor>,
     vision: VisionCache<B::Tensor>,
-    waiting: VecDeque<Sequence<B::Tensor>>,
-    running: Vec<Sequence<B::Tensor>>,
     next_id: RequestId,
+    /// Outputs of requests that finished while [`Engine::wait_for`] waited for another one.
+    parked: Vec<EngineOutput>,
     /// Decoder forwards run so far.
     pub forwards: u64,
     /// Image sources already hashed (source key → content hash), so files are not decoded twice.
@@ -147,49 +175,59 @@ impl<'m, B: Backend> Engine<'m, B> {
         be: &'m B,
         model: &'m QwenVl<B>,
         tokenizer: Option<&'m Tokenizer>,
-        mut cfg: EngineConfig,
+        cfg: EngineConfig,
     ) -> Result<Self> {
-        if let Some(bytes) = cfg.kv_cache_bytes {
-            let t = model.text.config();
-            // K and V, every layer, f32 rows of kv_heads · head_dim.
-            let per_block = 2 * t.num_hidden_layers * cfg.block_size * t.num_key_value_heads * t.head_dim * 4;
-            cfg.num_blocks = bytes / per_block.max(1);
-            tracing::info!(
-                blocks = cfg.num_blocks,
-                bytes_per_block = per_block,
-                "KV pool sized by bytes"
-            );
-        }
-        if cfg.block_size == 0 || cfg.num_blocks == 0 || cfg.chunk_size == 0 || cfg.max_batch_tokens == 0 {
+        if cfg.block_size == 0 || cfg.chunk_size == 0 || cfg.max_batch_tokens == 0 {
             return Err(Error::InvalidRequest(format!(
                 "engine sizes must be positive: {cfg:?}"
             )));
         }
+        let num_blocks = pool_blocks(&cfg, be, model)?;
         let model_id = xxhash_rust::xxh64::xxh64(format!("{:?}", model.config).as_bytes(), 0);
         Ok(Engine {
             be,
             model,
             tokenizer,
-            pool: model.text.new_pool(be, cfg.num_blocks, cfg.block_size)?,
-            blocks: KvBlockManager::new(cfg.num_blocks, cfg.block_size)?,
+            runner: Runner::new(be, model, num_blocks, cfg.block_size)?,
+            blocks: KvBlockManager::new(num_blocks, cfg.block_size)?,
+            scheduler: Scheduler::new(cfg.chunk_size, cfg.max_batch_tokens, cfg.prefix_caching),
             vision: VisionCache::new(model_id, cfg.vision_cache_bytes),
+            num_blocks,
             cfg,
-            waiting: VecDeque::new(),
-            running: Vec::new(),
             next_id: 0,
+            parked: Vec::new(),
             forwards: 0,
             sources: std::collections::HashMap::new(),
         })
     }
 
-    /// The engine's configuration.
+    /// The engine's configuration, as given.
     pub fn config(&self) -> &EngineConfig {
         &self.cfg
+    }
+
+    /// Blocks in the KV pool, as sized from the configuration.
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
     }
 
     /// Prefix-cache statistics.
     pub fn kv_stats(&self) -> KvStats {
         self.blocks.stats()
+    }
+
+    /// Counters and gauges.
+    pub fn stats(&self) -> EngineStats {
+        EngineStats {
+            kv: self.blocks.stats(),
+            num_blocks: self.num_blocks,
+            waiting: self.scheduler.waiting.len(),
+            running: self.scheduler.running.len(),
+            preemptions: self.scheduler.preemptions,
+            forwards: self.forwards,
+            vision_tower_runs: self.vision.tower_runs,
+            vision_cache_hits: self.vision.hits,
+        }
     }
 
     /// The vision-embedding cache (hit, run and eviction counters).
@@ -237,7 +275,7 @@ impl<'m, B: Backend> Engine<'m, B> {
             .upload(&pixels.data, pixels.num_patches(), pixels.patch_dim)?;
         let out = tower.forward(self.be, &x, &[pixels.grid_thw])?;
         let (rows, cols) = self.be.dims(&out.embeds);
-        let bytes = rows * cols * 4 * (1 + out.deepstack.len());
+        let bytes = rows * cols * self.be.element_bytes() * (1 + out.deepstack.len());
         self.vision.insert(
             hash,
             VisionEntry {
@@ -255,7 +293,7 @@ impl<'m, B: Backend> Engine<'m, B> {
         self.add_request_with(prompt, task, RequestOptions::default())
     }
 
-    /// Like [`Engine::add_request`], with options.
+    /// Like [`Engine::add_request`], with options. Errors (queuing nothing) on an invalid request.
     pub fn add_request_with(
         &mut self,
         prompt: &Prompt,
@@ -263,8 +301,57 @@ impl<'m, B: Backend> Engine<'m, B> {
         opts: RequestOptions,
     ) -> Result<RequestId> {
         let flat = self.flatten(prompt)?;
-        let hidden = self.model.text.config().hidden_size;
+        if flat.ids.is_empty() {
+            return Err(Error::InvalidRequest("the prompt is empty".into()));
+        }
+        validate_task(&task, &opts, self.tokenizer.is_some())?;
+        let injected = self.injected(prompt, &flat)?;
         let keys = token_keys(prompt, &flat);
+        let (gate, adapter) = self.gates(prompt, &flat, opts.adapter)?;
+        let keys = match adapter {
+            Some((aid, _)) => keys
+                .iter()
+                .zip(&gate)
+                .map(|(k, &g)| if g { k.with_adapter(aid) } else { *k })
+                .collect(),
+            None => keys,
+        };
+        let id = self.next_id;
+        let mut seq = Sequence::new(id, task, flat, keys, injected, gate, adapter);
+        seq.return_logits = opts.return_logits;
+        seq.salt = opts.salt;
+        seq.sampling = opts.sampling;
+        seq.want_logprobs = opts.logprobs;
+        if !opts.sampling.is_greedy() {
+            seq.sampler = Some(Sampler::new(opts.sampling.seed));
+        }
+        if let Task::Generate(p) = &seq.task {
+            let n = opts.draft.len().min(p.max_tokens);
+            for &t in &opts.draft[..n] {
+                seq.push_token(t);
+            }
+            seq.draft_len = n;
+        }
+        let limit = self.model.text.config().max_position_embeddings;
+        let needed = seq.tokens.len()
+            + match &seq.task {
+                Task::Generate(p) => p.max_tokens,
+                _ => 0,
+            };
+        if needed > limit {
+            return Err(Error::PromptTooLong {
+                tokens: needed,
+                limit,
+            });
+        }
+        self.next_id += 1;
+        self.scheduler.waiting.push_back(seq);
+        Ok(id)
+    }
+
+    /// The image and embedding runs of a prompt, with their cached (or uploaded) embeddings.
+    fn injected(&mut self, prompt: &Prompt, flat: &FlatPrompt) -> Result<Vec<Injected<B::Tensor>>> {
+        let hidden = self.model.text.config().hidden_size;
         let mut injected = Vec::new();
         for run in &flat.runs {
             let entry = match &prompt.segments[run.segment] {
@@ -295,7 +382,7 @@ impl<'m, B: Backend> Engine<'m, B> {
                         grid: [0, 0, 0],
                         embeds,
                         deepstack: Vec::new(),
-                        bytes: data.len() * 4,
+                        bytes: data.len() * self.be.element_bytes(),
                     })
                 }
                 Segment::Text(_) => continue,
@@ -306,54 +393,7 @@ impl<'m, B: Backend> Engine<'m, B> {
                 entry,
             });
         }
-        if let Task::Generate(p) = &task {
-            if !p.stop_strings.is_empty() && self.tokenizer.is_none() {
-                return Err(Error::InvalidRequest("stop strings need a tokenizer".into()));
-            }
-            if p.max_tokens == 0 {
-                return Err(Error::InvalidRequest("max_tokens must be at least 1".into()));
-            }
-        }
-        if let Task::Score { target } = &task {
-            if target.is_empty() {
-                return Err(Error::InvalidRequest("scoring needs a non-empty target".into()));
-            }
-        }
-        let id = self.next_id;
-        self.next_id += 1;
-        let (gate, adapter) = self.gates(prompt, &flat, opts.adapter)?;
-        let keys = match adapter {
-            Some((aid, _)) => keys
-                .iter()
-                .zip(&gate)
-                .map(|(k, &g)| if g { k.with_adapter(aid) } else { *k })
-                .collect(),
-            None => keys,
-        };
-        let mut seq = Sequence::new(id, task, flat, keys, injected, gate, adapter);
-        seq.return_logits = opts.return_logits;
-        seq.salt = opts.salt;
-        if let Task::Generate(p) = &seq.task {
-            let n = opts.draft.len().min(p.max_tokens);
-            for &t in &opts.draft[..n] {
-                seq.push_token(t);
-            }
-            seq.draft_len = n;
-        }
-        let limit = self.model.text.config().max_position_embeddings;
-        let needed = seq.tokens.len()
-            + match &seq.task {
-                Task::Generate(p) => p.max_tokens,
-                _ => 0,
-            };
-        if needed > limit {
-            return Err(Error::PromptTooLong {
-                tokens: needed,
-                limit,
-            });
-        }
-        self.waiting.push_back(seq);
-        Ok(id)
+        Ok(injected)
     }
 
     /// Per prompt token, whether the adapter acts on it; and the adapter's id and whether it also acts
@@ -391,18 +431,23 @@ impl<'m, B: Backend> Engine<'m, B> {
 
     /// Whether requests are waiting or running.
     pub fn has_work(&self) -> bool {
-        !self.waiting.is_empty() || !self.running.is_empty()
+        self.scheduler.has_work()
     }
 
     /// One scheduling step: runs one batched forward and returns the requests that finished.
     pub fn step(&mut self) -> Result<Vec<EngineOutput>> {
-        let mut done = self.admit();
-        let work = self.schedule();
+        let mut done = std::mem::take(&mut self.parked);
+        let admitted = self.scheduler.admit(&mut self.blocks);
+        let (work, failed) = self.scheduler.schedule(&mut self.blocks);
+        for (s, o) in admitted.into_iter().chain(failed) {
+            done.push(self.finish(s, o));
+        }
         if work.is_empty() {
             return Ok(done);
         }
-        match self.run(&work) {
-            Ok(logits) => self.postprocess(&work, logits, &mut done)?,
+        self.forwards += 1;
+        let logits = match self.runner.run(&work, &self.scheduler.running, &self.blocks) {
+            Ok(logits) => logits,
             Err(e) => {
                 // The batch failed as a whole; its sequences fail, the caches stay consistent (nothing
                 // new was marked computed).
@@ -410,10 +455,23 @@ impl<'m, B: Backend> Engine<'m, B> {
                 idx.sort_unstable();
                 idx.dedup();
                 for i in idx.into_iter().rev() {
-                    let s = self.running.remove(i);
+                    let s = self.scheduler.running.remove(i);
                     done.push(self.finish(s, Outcome::Failed(e.to_string())));
                 }
+                return Ok(done);
             }
+        };
+        let mut finished = Vec::new();
+        for (w, l) in work.iter().zip(logits) {
+            let s = &mut self.scheduler.running[w.seq];
+            if let Some(o) = postprocess(self.be, &mut self.blocks, self.tokenizer, s, w, l)? {
+                finished.push((w.seq, o));
+            }
+        }
+        finished.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
+        for (i, o) in finished {
+            let s = self.scheduler.running.remove(i);
+            done.push(self.finish(s, o));
         }
         Ok(done)
     }
@@ -421,355 +479,62 @@ impl<'m, B: Backend> Engine<'m, B> {
     /// Steps until every request has finished.
     pub fn run_all(&mut self) -> Result<Vec<EngineOutput>> {
         let mut out = Vec::new();
-        while self.has_work() {
+        while self.has_work() || !self.parked.is_empty() {
             out.extend(self.step()?);
         }
         Ok(out)
     }
 
-    /// Admits waiting requests while the pool has blocks for them; a request that can never fit
-    /// fails at once.
-    fn admit(&mut self) -> Vec<EngineOutput> {
-        let mut finished = Vec::new();
-        while let Some(mut seq) = self.waiting.pop_front() {
-            let limit = if self.cfg.prefix_caching {
-                seq.reuse_limit()
-            } else {
-                0
-            };
-            let allowed = |r: usize| seq.clamp_reuse(r.min(limit));
-            match self.blocks.allocate_with(&seq.keys, seq.salt, allowed) {
-                Ok(alloc) => {
-                    seq.kv = Some(alloc.seq);
-                    seq.computed = alloc.reused_tokens;
-                    seq.reused = alloc.reused_tokens;
-                    if matches!(seq.task, Task::Warm { .. }) && seq.is_prefilled() {
-                        finished.push(self.finish(seq, Outcome::Warmed));
-                    } else {
-                        self.running.push(seq);
-                    }
-                }
-                Err(e) if self.running.is_empty() => {
-                    finished.push(self.finish(seq, Outcome::Failed(e.to_string())))
-                }
-                Err(_) => {
-                    self.waiting.push_front(seq);
-                    break;
-                }
-            }
+    /// Cancels request `id` (queued or running): its blocks go back to the pool (those already
+    /// registered stay in the prefix cache). Returns whether the request was found.
+    pub fn cancel(&mut self, id: RequestId) -> bool {
+        if let Some(i) = self.parked.iter().position(|o| o.id == id) {
+            self.parked.remove(i);
+            return true;
         }
-        finished
+        match self.scheduler.remove(id) {
+            Some(s) => {
+                self.release(&s);
+                true
+            }
+            None => false,
+        }
     }
 
-    /// Decodes first (one token each), then prefill chunks while the batch has room.
-    fn schedule(&self) -> Vec<Work> {
-        let mut budget = self.cfg.max_batch_tokens;
-        let mut work = Vec::new();
-        for (i, s) in self.running.iter().enumerate() {
-            if s.is_prefilled() || budget == 0 {
-                continue;
-            }
-            let remaining = s.target_len() - s.computed;
-            if remaining == 1 && matches!(s.task, Task::Generate(_)) && !s.generated.is_empty() {
-                work.push(Work {
-                    seq: i,
-                    start: s.computed,
-                    len: 1,
-                    logits: Some(LogitsFor::Last),
-                });
-                budget -= 1;
-            }
-        }
-        for (i, s) in self.running.iter().enumerate() {
-            if budget == 0 {
-                break;
-            }
-            if s.is_prefilled() || work.iter().any(|w| w.seq == i) {
-                continue;
-            }
-            let len = (s.target_len() - s.computed).min(self.cfg.chunk_size).min(budget);
-            let end = s.computed + len;
-            let logits = match &s.task {
-                Task::Generate(_) if s.draft_len > 0 && end >= s.prompt_len => Some(LogitsFor::All),
-                Task::Generate(_) if end == s.target_len() => Some(LogitsFor::Last),
-                Task::Score { .. } if end >= s.prompt_len => Some(LogitsFor::All),
-                _ => None,
-            };
-            work.push(Work {
-                seq: i,
-                start: s.computed,
-                len,
-                logits,
-            });
-            budget -= len;
-        }
-        work
-    }
-
-    /// The chunk's injected rows: for every image or embedding run overlapping `start..start + len`,
-    /// the overlapping rows of its embeddings (and deepstack features).
-    fn chunk_features(
-        &self,
-        s: &Sequence<B::Tensor>,
-        start: usize,
-        len: usize,
-    ) -> Result<Vec<VisualFeatures<B::Tensor>>> {
-        let mut out = Vec::new();
-        for inj in &s.injected {
-            let (a, b) = (start.max(inj.start), (start + len).min(inj.start + inj.len));
-            if a >= b {
-                continue;
-            }
-            let src: Vec<usize> = (a - inj.start..b - inj.start).collect();
-            out.push(VisualFeatures {
-                rows: (a - start..b - start).collect(),
-                embeds: self.be.gather_rows(&inj.entry.embeds, &src)?,
-                deepstack: inj
-                    .entry
-                    .deepstack
-                    .iter()
-                    .map(|d| self.be.gather_rows(d, &src))
-                    .collect::<Result<_>>()?,
-            });
-        }
-        Ok(out)
-    }
-
-    fn run(&mut self, work: &[Work]) -> Result<Vec<Option<B::Tensor>>> {
-        let mut tables = Vec::with_capacity(work.len());
-        let mut lora = Vec::with_capacity(work.len());
-        let mut features = Vec::with_capacity(work.len());
-        let mut positions = Vec::with_capacity(work.len());
-        for w in work {
-            let s = &self.running[w.seq];
-            let kv =
-                s.kv.ok_or_else(|| Error::InvalidRequest("sequence not admitted".into()))?;
-            tables.push(
-                self.blocks
-                    .block_table(kv)
-                    .iter()
-                    .map(|b| b.0)
-                    .collect::<Vec<u32>>(),
-            );
-            features.push(self.chunk_features(s, w.start, w.len)?);
-            positions.push(s.positions(w.start, w.start + w.len));
-            lora.push(s.lora_rows(w.start, w.start + w.len));
-        }
-        let items: Vec<BatchItem<B::Tensor>> = work
+    /// What request `id` has generated so far, while it is queued or running.
+    pub fn progress(&self, id: RequestId) -> Option<Progress<'_>> {
+        let s = self
+            .scheduler
+            .running
             .iter()
-            .enumerate()
-            .map(|(k, w)| BatchItem {
-                ids: &self.running[w.seq].tokens[w.start..w.start + w.len],
-                positions: &positions[k],
-                visual: &features[k],
-                block_table: &tables[k],
-                start: w.start,
-                logits: w.logits,
-                lora_rows: &lora[k],
-            })
-            .collect();
-        self.forwards += 1;
-        let (be, text, pool) = (self.be, &self.model.text, &mut self.pool);
-        let mut forward = || Ok(text.forward_batch(be, &items, pool, false)?.logits);
-        // Pure decode steps (one new token per sequence, no images, no adapter rows) have the same
-        // device work step after step: the backend may record and replay them (CUDA graphs).
-        let decode = work.len() <= MAX_REPLAY_ROWS
-            && items
-                .iter()
-                .all(|it| it.ids.len() == 1 && it.visual.is_empty() && it.lora_rows.is_empty());
-        if decode {
-            let logits_mask = items
-                .iter()
-                .enumerate()
-                .fold(0u64, |m, (i, it)| m | (u64::from(it.logits.is_some()) << i));
-            let key = StepKey {
-                rows: work.len(),
-                tag: logits_mask,
-            };
-            be.run_step(key, &mut forward)
-        } else {
-            forward()
-        }
+            .find(|s| s.id == id)
+            .or_else(|| self.scheduler.waiting.iter().find(|s| s.id == id))?;
+        Some(Progress {
+            generated: &s.generated,
+            logprobs: &s.token_logprobs,
+            reused_tokens: s.reused,
+        })
     }
 
-    fn postprocess(
-        &mut self,
-        work: &[Work],
-        logits: Vec<Option<B::Tensor>>,
-        done: &mut Vec<EngineOutput>,
-    ) -> Result<()> {
-        let mut finished = Vec::new();
-        for (w, l) in work.iter().zip(logits) {
-            let s = &mut self.running[w.seq];
-            s.computed = w.start + w.len;
-            if let Some(kv) = s.kv {
-                self.blocks.mark_computed(kv, s.computed)?;
-            }
-            let result = match (&s.task, l) {
-                (Task::Generate(_), Some(l)) => {
-                    Self::decide(self.be, &mut self.blocks, self.tokenizer, s, w, &l)
-                }
-                (Task::Score { .. }, Some(l)) => Self::collect_logprobs(self.be, s, w, &l).map(|()| None),
-                (Task::Warm { .. }, _) if s.is_prefilled() => Ok(Some(Outcome::Warmed)),
-                _ => Ok(None),
-            };
-            let outcome = match result {
-                Ok(Some(o)) => Some(o),
-                Ok(None) if matches!(s.task, Task::Score { .. }) && s.is_prefilled() => {
-                    Some(Outcome::Score(score_of(&s.logprobs)))
-                }
-                Ok(None) => None,
-                Err(e) => Some(Outcome::Failed(e.to_string())),
-            };
-            if let Some(o) = outcome {
-                finished.push((w.seq, o));
-            }
-        }
-        finished.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
-        for (i, o) in finished {
-            let s = self.running.remove(i);
-            done.push(self.finish(s, o));
-        }
-        Ok(())
-    }
-
-    /// Greedy choice after a generation step; `Some` when the sequence is done.
-    fn decide(
-        be: &B,
-        blocks: &mut KvBlockManager,
-        tokenizer: Option<&Tokenizer>,
-        s: &mut Sequence<B::Tensor>,
-        w: &Work,
-        logits: &B::Tensor,
-    ) -> Result<Option<Outcome>> {
-        if s.draft_len == 0 {
-            let next = be.argmax(logits)?[0];
-            let row = if s.return_logits {
-                Some(be.download(logits)?)
-            } else {
-                None
-            };
-            return Self::accept(blocks, tokenizer, s, next, row, false);
-        }
-        // Drafting: rows from the last prompt token on predict the draft's tokens and one more.
-        let first = (s.prompt_len - 1).max(w.start);
-        let end = w.start + w.len;
-        if first < end {
-            let rows = be.rows(logits, first - w.start, end - first)?;
-            s.draft_preds.extend(be.argmax(&rows)?);
-            if s.return_logits {
-                let data = be.download(&rows)?;
-                let vocab = be.dims(&rows).1;
-                s.draft_logits.extend(data.chunks(vocab).map(<[f32]>::to_vec));
-            }
-        }
-        if !s.is_prefilled() {
-            return Ok(None);
-        }
-        Self::verify(blocks, tokenizer, s)
-    }
-
-    /// Greedy verification of a draft: accepts the predictions up to and including the first one that
-    /// differs from the draft, drops the rejected draft tokens' K/V, and replays each accepted token as
-    /// an ordinary decision (so eos, stop strings and the token limit apply exactly as without a draft).
-    fn verify(
-        blocks: &mut KvBlockManager,
-        tokenizer: Option<&Tokenizer>,
-        s: &mut Sequence<B::Tensor>,
-    ) -> Result<Option<Outcome>> {
-        let n = s.draft_len;
-        let draft = s.tokens[s.prompt_len..s.prompt_len + n].to_vec();
-        let preds = std::mem::take(&mut s.draft_preds);
-        if preds.len() != n + 1 {
-            return Err(Error::InvalidRequest(format!(
-                "draft verification saw {} predictions for {n} draft tokens",
-                preds.len()
-            )));
-        }
-        let mut rows = std::mem::take(&mut s.draft_logits).into_iter();
-        let k = draft.iter().zip(&preds).take_while(|(d, p)| d == p).count();
-        let kv =
-            s.kv.ok_or_else(|| Error::InvalidRequest("sequence not admitted".into()))?;
-        // Keep the accepted draft tokens (their K/V are exactly what decoding would have written).
-        blocks.truncate(kv, s.prompt_len + k)?;
-        s.tokens.truncate(s.prompt_len + k);
-        s.keys.truncate(s.prompt_len + k);
-        s.gate.truncate(s.prompt_len + k);
-        s.computed = blocks.num_computed(kv);
-        s.draft_len = 0;
-        s.accepted_draft = k;
-        for (i, &token) in preds[..=k].iter().enumerate() {
-            if let Some(done) = Self::accept(blocks, tokenizer, s, token, rows.next(), i < k)? {
-                return Ok(Some(done));
-            }
-        }
-        Ok(None)
-    }
-
-    /// Records one generated token; `Some` when generation ends with it. Unless the token is already
-    /// in the sequence (an accepted draft token), it is appended for computation next step.
-    fn accept(
-        blocks: &mut KvBlockManager,
-        tokenizer: Option<&Tokenizer>,
-        s: &mut Sequence<B::Tensor>,
-        next: u32,
-        logits_row: Option<Vec<f32>>,
-        in_sequence: bool,
-    ) -> Result<Option<Outcome>> {
-        let Task::Generate(params) = &s.task else {
-            return Ok(None);
-        };
-        s.decision_logits.extend(logits_row);
-        s.generated.push(next);
-        if let Some(finish) = finish_reason(params, &s.generated, tokenizer)? {
-            let text = tokenizer.map(|t| t.decode(&s.generated)).transpose()?;
-            return Ok(Some(Outcome::Generation(Generation {
-                tokens: s.generated.clone(),
-                text,
-                finish,
-            })));
-        }
-        if in_sequence {
-            return Ok(None);
-        }
-        // The new token is computed next step; it needs a slot now.
-        let kv =
-            s.kv.ok_or_else(|| Error::InvalidRequest("sequence not admitted".into()))?;
-        s.push_token(next);
-        if let Err(e) = blocks.append(kv, *s.keys.last().unwrap_or(&TokenKey::text(next))) {
-            s.tokens.pop();
-            s.keys.pop();
-            s.gate.pop();
-            return Err(e);
-        }
-        Ok(None)
-    }
-
-    /// Log-probs of the target tokens predicted by the chunk's rows.
-    fn collect_logprobs(be: &B, s: &mut Sequence<B::Tensor>, w: &Work, logits: &B::Tensor) -> Result<()> {
-        // Row r (absolute) predicts token r + 1; targets are tokens prompt_len..tokens.len().
-        let first = (s.prompt_len - 1).max(w.start);
-        let last = (s.tokens.len() - 1).min(w.start + w.len);
-        if first >= last {
-            return Ok(());
-        }
-        let rows = be.rows(logits, first - w.start, last - first)?;
-        let targets = &s.tokens[first + 1..last + 1];
-        s.logprobs.extend(be.log_softmax_gather(&rows, targets)?);
-        Ok(())
-    }
-
-    fn finish(&mut self, s: Sequence<B::Tensor>, outcome: Outcome) -> EngineOutput {
+    fn release(&mut self, s: &Sequence<B::Tensor>) {
         if let Some(kv) = s.kv {
             // A sequence the manager does not know cannot hold blocks; nothing to release then.
             let _ = self.blocks.free(kv);
         }
+    }
+
+    fn finish(&mut self, s: Sequence<B::Tensor>, outcome: Outcome) -> EngineOutput {
+        self.release(&s);
         EngineOutput {
             id: s.id,
             outcome,
             decision_logits: s.decision_logits,
+            logprobs: s.token_logprobs,
+            prompt_tokens: s.prompt_len,
             reused_tokens: s.reused,
             accepted_draft: s.accepted_draft,
+            forwards: s.forwards,
+            preemptions: s.preemptions,
         }
     }
 
@@ -791,33 +556,33 @@ impl<'m, B: Backend> Engine<'m, B> {
     /// Scores many (prompt, target) pairs in batches. Their longest common prefix is computed once
     /// first, so that every pair reuses it from the prefix cache.
     pub fn score_many(&mut self, pairs: &[(Prompt, Vec<u32>)]) -> Result<Vec<Score>> {
-        if pairs.len() > 1 && self.cfg.prefix_caching {
-            let lcp = self.common_prefix(pairs)?;
-            if lcp >= self.cfg.block_size {
-                let id = self.add_request(&pairs[0].0, Task::Warm { len: lcp })?;
-                if let Outcome::Failed(e) = self.wait_for(id)?.outcome {
-                    return Err(Error::InvalidRequest(e));
-                }
+        if let Some((prompt, len)) = self.shared_prefix(pairs)? {
+            let id = self.add_request(&prompt, Task::Warm { len })?;
+            if let Outcome::Failed(e) = self.wait_for(id)?.outcome {
+                return Err(Error::InvalidRequest(e));
             }
         }
         let ids = pairs
             .iter()
             .map(|(p, t)| self.add_request(p, Task::Score { target: t.clone() }))
             .collect::<Result<Vec<_>>>()?;
-        let mut outs = self.run_all()?;
         ids.iter()
-            .map(|id| {
-                let pos = outs
-                    .iter()
-                    .position(|o| o.id == *id)
-                    .ok_or_else(|| Error::InvalidRequest(format!("request {id} lost")))?;
-                match outs.swap_remove(pos).outcome {
-                    Outcome::Score(s) => Ok(s),
-                    Outcome::Failed(e) => Err(Error::InvalidRequest(e)),
-                    other => Err(Error::InvalidRequest(format!("unexpected outcome {other:?}"))),
-                }
+            .map(|&id| match self.wait_for(id)?.outcome {
+                Outcome::Score(s) => Ok(s),
+                Outcome::Failed(e) => Err(Error::InvalidRequest(e)),
+                other => Err(Error::InvalidRequest(format!("unexpected outcome {other:?}"))),
             })
             .collect()
+    }
+
+    /// The warm-up that lets every pair of a scoring call reuse their common prefix: the first
+    /// prompt and the prefix length, when there is more than one pair and the prefix fills a block.
+    pub fn shared_prefix(&self, pairs: &[(Prompt, Vec<u32>)]) -> Result<Option<(Prompt, usize)>> {
+        if pairs.len() < 2 || !self.cfg.prefix_caching {
+            return Ok(None);
+        }
+        let lcp = self.common_prefix(pairs)?;
+        Ok((lcp >= self.cfg.block_size).then(|| (pairs[0].0.clone(), lcp)))
     }
 
     /// The prompt's tokens and positions under this model's image-pad id and merge size.
@@ -839,7 +604,7 @@ impl<'m, B: Backend> Engine<'m, B> {
         let mut lcp = usize::MAX;
         for (p, _) in pairs {
             let flat = self.flatten(p)?;
-            lcp = lcp.min(flat.ids.len() - 1);
+            lcp = lcp.min(flat.ids.len().saturating_sub(1));
             let keys = token_keys(p, &flat);
             match &first {
                 None => first = Some(keys),
@@ -849,17 +614,132 @@ impl<'m, B: Backend> Engine<'m, B> {
         Ok(if lcp == usize::MAX { 0 } else { lcp })
     }
 
-    /// Waits for request `id`, running other requests alongside; their outputs are dropped.
-    fn wait_for(&mut self, id: RequestId) -> Result<EngineOutput> {
+    /// Waits for request `id`, running other requests alongside; their outputs are kept for the next
+    /// [`step`](Engine::step) (or a later `wait_for`).
+    pub fn wait_for(&mut self, id: RequestId) -> Result<EngineOutput> {
         loop {
+            if let Some(i) = self.parked.iter().position(|o| o.id == id) {
+                return Ok(self.parked.remove(i));
+            }
             if !self.has_work() {
                 return Err(Error::InvalidRequest(format!("request {id} is not queued")));
             }
-            if let Some(o) = self.step()?.into_iter().find(|o| o.id == id) {
-                return Ok(o);
-            }
+            let outs = self.step()?;
+            self.parked.extend(outs);
         }
     }
+}
+
+/// Checks what a task and its options ask for before anything is queued.
+fn validate_task(task: &Task, opts: &RequestOptions, has_tokenizer: bool) -> Result<()> {
+    match task {
+        Task::Generate(p) => {
+            if !p.stop_strings.is_empty() && !has_tokenizer {
+                return Err(Error::InvalidRequest("stop strings need a tokenizer".into()));
+            }
+            if p.max_tokens == 0 {
+                return Err(Error::InvalidRequest("max_tokens must be at least 1".into()));
+            }
+            opts.sampling.validate()?;
+            if !opts.draft.is_empty() && !opts.sampling.is_greedy() {
+                return Err(Error::InvalidRequest(
+                    "a draft is verified greedily; it cannot be combined with sampling".into(),
+                ));
+            }
+        }
+        Task::Score { target } if target.is_empty() => {
+            return Err(Error::InvalidRequest("scoring needs a non-empty target".into()));
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// Blocks of the KV pool: from the device's memory when `memory_utilization` is set and the backend
+/// has its own memory, else from `kv_cache_bytes`, else `num_blocks`.
+fn pool_blocks<B: Backend>(cfg: &EngineConfig, be: &B, model: &QwenVl<B>) -> Result<usize> {
+    let t = model.text.config();
+    // K and V, every layer, rows of kv_heads · head_dim in the backend's element type.
+    let per_block =
+        2 * t.num_hidden_layers * cfg.block_size * t.num_key_value_heads * t.head_dim * be.element_bytes();
+    let memory = match cfg.memory_utilization {
+        Some(u) => be.memory_info()?.map(|m| (u, m)),
+        None => None,
+    };
+    let (blocks, source) = if let Some((util, (free, total))) = memory {
+        // Room for one forward's activations and logits, the vision cache and the tower's workspace.
+        let eb = be.element_bytes();
+        let activations =
+            cfg.max_batch_tokens * (8 * t.hidden_size + 3 * t.intermediate_size + t.vocab_size) * eb;
+        let reserve = activations + cfg.vision_cache_bytes + (1 << 30);
+        let blocks = blocks_from_memory(free, total, util, reserve, per_block)?;
+        (
+            blocks,
+            format!("{:.0}% of {} GiB device memory", util * 100.0, total >> 30),
+        )
+    } else if let Some(bytes) = cfg.kv_cache_bytes {
+        (bytes / per_block.max(1), format!("{bytes} bytes"))
+    } else {
+        (cfg.num_blocks, "a block count".to_string())
+    };
+    if blocks == 0 {
+        return Err(Error::KvCacheFull {
+            what: format!("a KV pool sized by {source}"),
+            needed: 1,
+            available: 0,
+            total: 0,
+        });
+    }
+    tracing::info!(
+        blocks,
+        block_size = cfg.block_size,
+        mib = (blocks * per_block) >> 20,
+        "KV pool sized by {source}"
+    );
+    Ok(blocks)
+}
+
+/// Blocks that fit when everything together may use `utilization · total` bytes of device memory,
+/// `total - free` are in use already (weights, the runtime) and `reserve` is kept for the work of a
+/// step.
+///
+/// ```
+/// use recall::engine::blocks_from_memory;
+/// // 100 GiB device, 20 GiB used, 90% allowed, 5 GiB reserved: 65 GiB of 1 GiB blocks.
+/// let gib = 1usize << 30;
+/// assert_eq!(blocks_from_memory(80 * gib, 100 * gib, 0.9, 5 * gib, gib).unwrap(), 65);
+/// assert!(blocks_from_memory(10 * gib, 100 * gib, 0.9, 5 * gib, gib).is_err());
+/// ```
+pub fn blocks_from_memory(
+    free: usize,
+    total: usize,
+    utilization: f64,
+    reserve: usize,
+    per_block: usize,
+) -> Result<usize> {
+    if !(utilization > 0.0 && utilization <= 1.0) {
+        return Err(Error::InvalidRequest(format!(
+            "memory utilization {utilization} is outside (0, 1]"
+        )));
+    }
+    let allowed = (total as f64 * utilization) as usize;
+    let used = total.saturating_sub(free);
+    let budget = allowed.saturating_sub(used).saturating_sub(reserve);
+    if budget < per_block.max(1) {
+        return Err(Error::KvCacheFull {
+            what: format!(
+                "the KV pool ({} MiB in use of {} MiB, {:.0}% allowed, {} MiB reserved for activations)",
+                used >> 20,
+                total >> 20,
+                utilization * 100.0,
+                reserve >> 20
+            ),
+            needed: 1,
+            available: 0,
+            total: 0,
+        });
+    }
+    Ok(budget / per_block)
 }
 
 /// The cache key of every token of a flattened prompt: text ids, image hash and index, embedding-run
@@ -877,13 +757,4 @@ fn token_keys(prompt: &Prompt, flat: &FlatPrompt) -> Vec<TokenKey> {
         }
     }
     keys
-}
-
-fn score_of(logprobs: &[f32]) -> Score {
-    let sum: f64 = logprobs.iter().map(|&x| x as f64).sum();
-    Score {
-        token_logprobs: logprobs.to_vec(),
-        sum_logprob: sum,
-        mean_logprob: sum / logprobs.len().max(1) as f64,
-    }
 }

@@ -10,15 +10,22 @@ mod core;
 pub mod generate;
 pub mod input;
 pub mod pipeline;
+mod postprocess;
 pub mod prompt;
+mod runner;
+pub mod sampling;
+mod scheduler;
 pub mod score;
 mod sequence;
 pub mod vision_cache;
 
-pub use self::core::{Engine, EngineConfig, EngineOutput, Outcome, RequestOptions};
+pub use self::core::{
+    blocks_from_memory, Engine, EngineConfig, EngineOutput, EngineStats, Outcome, Progress, RequestOptions,
+};
 pub use generate::{generate, FinishReason, GenerateParams, Generation};
 pub use input::PromptInput;
 pub use pipeline::{Pipeline, PromptLogits};
 pub use prompt::{ImageHash, ImageRole, Prompt, Segment};
+pub use sampling::{Sampling, TokenLogprobs};
 pub use score::{score, Score};
 pub use sequence::{RequestId, Task};

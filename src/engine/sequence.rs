@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use crate::engine::prompt::FlatPrompt;
+use crate::engine::sampling::{Sampler, Sampling, TokenLogprobs};
 use crate::engine::vision_cache::VisionEntry;
 use crate::engine::GenerateParams;
 use crate::kv::{SeqId, TokenKey};
@@ -72,6 +73,18 @@ pub(crate) struct Sequence<T> {
     pub draft_logits: Vec<Vec<f32>>,
     /// Draft tokens accepted by verification.
     pub accepted_draft: usize,
+    /// How the next token is chosen, and the generator when it is sampled.
+    pub sampling: Sampling,
+    pub sampler: Option<Sampler>,
+    /// Log-probabilities to return per generated token: `Some(n)` with the `n` most likely
+    /// alternatives.
+    pub want_logprobs: Option<usize>,
+    /// The log-probabilities of the generated tokens so far (when `logprobs` is set).
+    pub token_logprobs: Vec<TokenLogprobs>,
+    /// Forwards this sequence took part in.
+    pub forwards: u64,
+    /// Times it gave its blocks back to let others decode (it is then recomputed).
+    pub preemptions: u32,
 }
 
 impl<T> Sequence<T> {
@@ -109,6 +122,12 @@ impl<T> Sequence<T> {
             draft_preds: Vec::new(),
             draft_logits: Vec::new(),
             accepted_draft: 0,
+            sampling: Sampling::greedy(),
+            sampler: None,
+            want_logprobs: None,
+            token_logprobs: Vec::new(),
+            forwards: 0,
+            preemptions: 0,
         };
         match &s.task {
             Task::Score { target } => {
@@ -175,15 +194,35 @@ impl<T> Sequence<T> {
     }
 
     /// The most prompt tokens that may come from the prefix cache: at least one token must be
-    /// computed for generation (its logits start decoding), and for scoring the last prompt token
-    /// (its logits score the first target token).
+    /// computed for generation (its logits give the next token; after a preemption the generated
+    /// tokens are reusable too), and for scoring the last prompt token (its logits score the first
+    /// target token).
     pub fn reuse_limit(&self) -> usize {
         match self.task {
             // Drafting needs the logits of the last prompt token, so it is always computed.
-            Task::Generate(_) => self.prompt_len.saturating_sub(1),
+            Task::Generate(_) if self.draft_len > 0 => self.prompt_len.saturating_sub(1),
+            Task::Generate(_) => self.tokens.len().saturating_sub(1),
             Task::Score { .. } => self.prompt_len.saturating_sub(1),
             Task::Warm { .. } => self.tokens.len(),
         }
+    }
+
+    /// Whether a generation step needs the logits row on the host (logprobs, sampling, or returned
+    /// logits), not just the device argmax.
+    pub fn needs_rows(&self) -> bool {
+        self.return_logits || self.want_logprobs.is_some() || !self.sampling.is_greedy()
+    }
+
+    /// Forgets everything computed (the sequence's blocks were given back): it is prefilled again
+    /// from its tokens, which keep the prompt, any draft and what was generated so far. Partial
+    /// per-row results (draft predictions, target log-probs) are recollected then.
+    pub fn reset_for_recompute(&mut self) {
+        self.kv = None;
+        self.computed = 0;
+        self.draft_preds.clear();
+        self.draft_logits.clear();
+        self.logprobs.clear();
+        self.preemptions += 1;
     }
 
     /// The largest reuse length `≤ limit` that does not end inside an image or embedding run (the

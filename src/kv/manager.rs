@@ -175,7 +175,7 @@ impl KvBlockManager {
     /// # Ok::<(), recall::Error>(())
     /// ```
     pub fn allocate(&mut self, keys: &[TokenKey], salt: u64, reuse_limit: usize) -> Result<Allocation> {
-        self.allocate_inner(keys, salt, reuse_limit / self.block_size, |r| r)
+        self.allocate_inner(keys, salt, reuse_limit / self.block_size, |r| r, 0)
     }
 
     /// Like [`allocate`](Self::allocate), but the reuse length is chosen by `allowed`: given the length
@@ -204,7 +204,29 @@ impl KvBlockManager {
         salt: u64,
         allowed: impl Fn(usize) -> usize,
     ) -> Result<Allocation> {
-        self.allocate_inner(keys, salt, usize::MAX, allowed)
+        self.allocate_inner(keys, salt, usize::MAX, allowed, 0)
+    }
+
+    /// Like [`allocate_with`](Self::allocate_with), but fails (changing nothing) unless `keep_free`
+    /// blocks stay available afterwards: the scheduler admits a request only if the running
+    /// sequences keep room to decode.
+    ///
+    /// ```
+    /// use recall::kv::{KvBlockManager, TokenKey};
+    /// let mut kv = KvBlockManager::new(4, 2)?;
+    /// let keys: Vec<TokenKey> = (0..4).map(TokenKey::text).collect();
+    /// assert!(kv.allocate_within(&keys, 0, |r| r, 3).is_err()); // 2 blocks needed, 4 - 3 allowed
+    /// assert!(kv.allocate_within(&keys, 0, |r| r, 2).is_ok());
+    /// # Ok::<(), recall::Error>(())
+    /// ```
+    pub fn allocate_within(
+        &mut self,
+        keys: &[TokenKey],
+        salt: u64,
+        allowed: impl Fn(usize) -> usize,
+        keep_free: usize,
+    ) -> Result<Allocation> {
+        self.allocate_inner(keys, salt, usize::MAX, allowed, keep_free)
     }
 
     fn allocate_inner(
@@ -213,6 +235,7 @@ impl KvBlockManager {
         salt: u64,
         max_blocks: usize,
         allowed: impl Fn(usize) -> usize,
+        keep_free: usize,
     ) -> Result<Allocation> {
         let bs = self.block_size;
         let (mut hits, mut hashes) = self.cached_chain(keys, salt, max_blocks);
@@ -237,13 +260,13 @@ impl KvBlockManager {
         revived.sort_unstable();
         revived.dedup();
         let available = self.pool.available() - revived.len();
-        if needed > available {
-            return Err(Error::InvalidRequest(format!(
-                "KV cache full: {needed} blocks needed for {} tokens ({reuse} reused), {available} available \
-                 of {}",
-                keys.len(),
-                self.pool.num_blocks()
-            )));
+        if needed + keep_free > available {
+            return Err(Error::KvCacheFull {
+                what: format!("a sequence of {} tokens ({reuse} reused)", keys.len()),
+                needed,
+                available,
+                total: self.pool.num_blocks(),
+            });
         }
 
         for &b in &hits {
@@ -319,11 +342,12 @@ impl KvBlockManager {
     pub fn append(&mut self, seq: SeqId, key: TokenKey) -> Result<()> {
         let s = self.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
         if s.keys.len() % self.block_size == 0 {
-            let block = self.pool.acquire().ok_or_else(|| {
-                Error::InvalidRequest(format!(
-                    "KV cache full: 1 block needed to append to {seq:?}, 0 available of {}",
-                    self.pool.num_blocks()
-                ))
+            let total = self.pool.num_blocks();
+            let block = self.pool.acquire().ok_or_else(|| Error::KvCacheFull {
+                what: format!("appending a token to {seq:?}"),
+                needed: 1,
+                available: 0,
+                total,
             })?;
             s.block_table.push(block);
         }
@@ -414,9 +438,12 @@ impl KvBlockManager {
         let needs_fresh = partial.is_some_and(|b| self.pool.ref_count(b) > 1);
         // Releasing a tail block we hold alone makes it available, so only this case can fail.
         if needs_fresh && self.pool.available() == 0 && !tail.iter().any(|&b| self.pool.ref_count(b) == 1) {
-            return Err(Error::InvalidRequest(format!(
-                "KV cache full: 1 block needed to truncate {seq:?} inside a shared block, 0 available"
-            )));
+            return Err(Error::KvCacheFull {
+                what: format!("truncating {seq:?} inside a shared block"),
+                needed: 1,
+                available: 0,
+                total: self.pool.num_blocks(),
+            });
         }
 
         for &b in s.block_table[kept_blocks..].iter().rev() {

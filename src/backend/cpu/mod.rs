@@ -115,6 +115,10 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
+    fn element_bytes(&self) -> usize {
+        4
+    }
+
     fn load_weight(&self, t: &TensorRef) -> Result<CpuWeight> {
         if let Some((fill, first)) = t.synthetic() {
             let n = t.numel() as u64;

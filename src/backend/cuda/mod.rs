@@ -675,6 +675,18 @@ impl Backend for CudaBackend {
         "cuda"
     }
 
+    fn element_bytes(&self) -> usize {
+        2
+    }
+
+    fn memory_info(&self) -> Result<Option<(usize, usize)>> {
+        let (free, total) = self
+            .ctx
+            .mem_get_info()
+            .map_err(|e| cuda_err(format!("querying device memory: {e:?}")))?;
+        Ok(Some((free, total)))
+    }
+
     fn load_weight(&self, t: &TensorRef) -> Result<CudaWeight> {
         if let Some((fill, first)) = t.synthetic() {
             return self.synthetic_weight(&t.shape, fill, first);
