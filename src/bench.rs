@@ -33,8 +33,7 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::backend::cpu::CpuBackend;
-use crate::backend::Backend;
+use crate::backend::{select, Backend, BackendArgs, BackendChoice};
 use crate::engine::{
     Engine, EngineConfig, GenerateParams, ImageHash, ImageRole, Outcome, Prompt, RequestOptions, Segment,
     Task,
@@ -110,113 +109,163 @@ impl GridSpec {
     }
 }
 
-/// Settings of [`run_bench`]. The CLI flags are these field names in kebab-case.
-#[derive(Debug, Clone)]
+/// Settings of [`run_bench`]: the `recall bench` flags, parsed by clap (each flag is a field name in
+/// kebab-case; the defaults are the H200 configuration of [`BenchArgs::default_for`]).
+#[derive(Debug, Clone, clap::Args)]
 pub struct BenchArgs {
     /// Directory with the model shape's `config.json` (and optionally `generation_config.json`), e.g.
     /// `models/qwen3-vl-8b-instruct` or `tests/fixtures/tiny-qwen3-vl`. Only the config is read: the
     /// weights are random.
+    #[arg(long, default_value = "models/qwen3-vl-8b-instruct")]
     pub config_dir: PathBuf,
-    /// `"cpu"` or `"cuda"` (device 0).
-    pub backend: String,
+    /// The backend (device 0 for CUDA).
+    #[command(flatten)]
+    pub backend: BackendArgs,
     /// History screenshots per prompt (B).
+    #[arg(long, default_value_t = 4)]
     pub budget: usize,
-    /// Size of every screenshot (history and current).
+    /// Size of every screenshot (history and current): TxHxW patches (1x80x128), HxW patches, or HxWpx
+    /// pixels.
+    #[arg(long, default_value = "1x80x128")]
     pub grid: GridSpec,
     /// Completed steps before the current one; must exceed `budget` so that pass 2 can differ from
     /// Recent-B.
+    #[arg(long, default_value_t = 8)]
     pub history: usize,
     /// Tokens generated per pass (greedy, no end token: exactly this many), also the length of every
     /// earlier assistant turn in the prompt.
+    #[arg(long, default_value_t = 64)]
     pub response_tokens: usize,
     /// Text tokens of the system prompt.
+    #[arg(long, default_value_t = 1819)]
     pub system_tokens: usize,
     /// Text tokens of each folded `StepN: action` line.
+    #[arg(long, default_value_t = 28)]
     pub step_tokens: usize,
     /// Override of the decoder depth (`num_hidden_layers`); the vision tower keeps its depth. Must be at
     /// least the number of deepstack layers.
+    #[arg(long)]
     pub layers: Option<usize>,
     /// Timed repetitions of every measurement (the median is reported); one untimed warm-up runs first.
+    #[arg(long, default_value_t = 3)]
     pub repeats: usize,
     /// Seed of the weights, pixels, token ids and the ScopeMem prefix.
+    #[arg(long, default_value_t = 0x5eed)]
     pub seed: u64,
     /// The engine's chunked-prefill size (tokens of one sequence per forward).
+    #[arg(long, default_value_t = 4096)]
     pub chunk_size: usize,
     /// The engine's most tokens per forward.
+    #[arg(long, default_value_t = 8192)]
     pub max_batch_tokens: usize,
     /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
     pub block_size: usize,
     /// Directory of the temporary `config.json` and, with `weights_file`, the weights file (default:
     /// the system temp dir; on the GPU machine `/dev/shm` avoids the disk). Deleted when the bench ends.
+    #[arg(long)]
     pub weights_dir: Option<PathBuf>,
     /// Write the random weights to a safetensors file and load it through the checkpoint loader (host
     /// memory map, bf16 conversion, upload). Default: a [`Checkpoint::synthetic`] checkpoint, whose
     /// tensors the backend generates itself — on the GPU directly in device memory, no file and no
     /// 17.5 GB host-to-device copy.
+    #[arg(long)]
     pub weights_file: bool,
     /// Also write the report as JSON here.
+    #[arg(long)]
     pub json_out: Option<PathBuf>,
     /// Fewer variants, for a device call with little time: the CausalCache step only plain, reuse +
     /// draft and reuse + oracle draft; ScopeMem only with reuse (its pass 2 is then compared with
     /// nothing, its pass 1 with the plain pass 1).
+    #[arg(long)]
     pub quick: bool,
     /// After the measurements, profile one more prefill and decode of the pass-1 prompt per op (CPU)
     /// or per kernel (CUDA): [`BenchReport::breakdown`].
+    #[arg(long)]
     pub breakdown: bool,
-    /// Step recording/replay ([`Backend::set_step_replay`], CUDA graphs) during the measurements
-    /// (CLI: `--step-replay on|off`). When on, the plain pass 1 also runs once with it off and both
-    /// outputs are compared: [`BenchReport::replay`].
+    /// Step recording/replay ([`Backend::set_step_replay`], CUDA graphs) during the measurements:
+    /// on or off. When on, the plain pass 1 also runs once with it off and both outputs are compared:
+    /// [`BenchReport::replay`].
+    #[arg(long, default_value = "on", action = clap::ArgAction::Set, value_parser = parse_on_off)]
     pub step_replay: bool,
     /// Matrix-unit ceiling for the floors, TFLOP/s (H200 measured: 790).
+    #[arg(long, default_value_t = 790.0)]
     pub peak_tflops: f64,
     /// Memory-bandwidth ceiling for the floors, GB/s (H200 measured copy: 4200).
+    #[arg(long, default_value_t = 4200.0)]
     pub peak_gbs: f64,
 }
 
+fn parse_on_off(s: &str) -> std::result::Result<bool, String> {
+    match s {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        other => Err(format!("`{other}`: expected on or off")),
+    }
+}
+
+/// The flags of [`BenchArgs::tiny`] (`recall bench --tiny`): B = 2, 4×4-patch screenshots, 4-token
+/// responses, on the CPU. Flags given after them win.
+pub const TINY_PRESET: &[&str] = &[
+    "--backend",
+    "cpu",
+    "--budget",
+    "2",
+    "--grid",
+    "1x4x4",
+    "--history",
+    "4",
+    "--response-tokens",
+    "4",
+    "--system-tokens",
+    "24",
+    "--step-tokens",
+    "5",
+    "--repeats",
+    "1",
+    "--chunk-size",
+    "32",
+    "--max-batch-tokens",
+    "64",
+];
+
+/// A command holding only [`BenchArgs`], to parse them outside the CLI.
+#[derive(clap::Parser)]
+#[command(args_override_self = true)]
+struct BenchFlags {
+    #[command(flatten)]
+    args: BenchArgs,
+}
+
 impl BenchArgs {
-    /// The issue's H200 configuration: B = 4, 2560-token screenshots (80×128 patches), 8 completed
-    /// steps, 64-token responses (15,090 tokens per pass-1 prompt with the 8B config, as the issue's step).
-    pub fn default_for(config_dir: &Path, backend: &str) -> Self {
-        BenchArgs {
-            config_dir: config_dir.to_path_buf(),
-            backend: backend.to_string(),
-            budget: 4,
-            grid: GridSpec::Patches([1, 80, 128]),
-            history: 8,
-            response_tokens: 64,
-            system_tokens: 1819,
-            step_tokens: 28,
-            layers: None,
-            repeats: 3,
-            seed: 0x5eed,
-            chunk_size: 4096,
-            max_batch_tokens: 8192,
-            block_size: 16,
-            weights_dir: None,
-            weights_file: false,
-            json_out: None,
-            quick: false,
-            breakdown: false,
-            step_replay: true,
-            peak_tflops: 790.0,
-            peak_gbs: 4200.0,
-        }
+    /// Parses bench flags (as `recall bench` takes them); later flags override earlier ones.
+    ///
+    /// ```
+    /// let a = recall::bench::BenchArgs::from_flags(&["--budget", "3", "--budget", "5"]).unwrap();
+    /// assert_eq!((a.budget, a.history), (5, 8));
+    /// ```
+    pub fn from_flags(flags: &[&str]) -> Result<Self> {
+        use clap::Parser;
+        let argv = std::iter::once("bench").chain(flags.iter().copied());
+        BenchFlags::try_parse_from(argv)
+            .map(|f| f.args)
+            .map_err(|e| Error::InvalidRequest(format!("bench flags: {e}")))
     }
 
-    /// Small sizes for a CPU check on a tiny config (B = 2, 4×4-patch screenshots, 4-token responses).
+    /// The issue's H200 configuration: B = 4, 2560-token screenshots (80×128 patches), 8 completed
+    /// steps, 64-token responses (15,090 tokens per pass-1 prompt with the 8B config, as the issue's step).
+    pub fn default_for(config_dir: &Path, backend: BackendChoice) -> Self {
+        let mut a = Self::from_flags(&[]).expect("the defaults parse");
+        a.config_dir = config_dir.to_path_buf();
+        a.backend.backend = backend;
+        a
+    }
+
+    /// Small sizes for a CPU check on a tiny config ([`TINY_PRESET`]).
     pub fn tiny(config_dir: &Path) -> Self {
-        BenchArgs {
-            budget: 2,
-            grid: GridSpec::Patches([1, 4, 4]),
-            history: 4,
-            response_tokens: 4,
-            system_tokens: 24,
-            step_tokens: 5,
-            repeats: 1,
-            chunk_size: 32,
-            max_batch_tokens: 64,
-            ..Self::default_for(config_dir, "cpu")
-        }
+        let mut a = Self::from_flags(TINY_PRESET).expect("the tiny preset parses");
+        a.config_dir = config_dir.to_path_buf();
+        a
     }
 }
 
@@ -732,43 +781,9 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
         dir: &dir.path,
         synthetic: synthetic.as_ref(),
     };
-    let mut report = match args.backend.as_str() {
-        "cpu" => {
-            let be = CpuBackend;
-            let threads = rayon::current_num_threads();
-            bench_backend(
-                &be,
-                &|| Ok(()),
-                format!("cpu ({threads} threads)"),
-                4,
-                args,
-                source,
-                &cfg,
-                written,
-            )?
-        }
-        #[cfg(feature = "cuda")]
-        "cuda" => {
-            let be = crate::backend::cuda::CudaBackend::new(0)?;
-            let mode = if be.batch_invariant() {
-                ", batch-invariant"
-            } else {
-                ""
-            };
-            let device = format!("{} ({}{mode})", be.device_name(), be.arch());
-            bench_backend(&be, &|| be.synchronize(), device, 2, args, source, &cfg, written)?
-        }
-        other => {
-            return Err(Error::InvalidRequest(format!(
-                "bench backend `{other}`: expected cpu{}",
-                if cfg!(feature = "cuda") {
-                    " or cuda"
-                } else {
-                    " (built without the cuda feature)"
-                }
-            )))
-        }
-    };
+    let mut report = crate::with_backend!(select(args.backend.backend)?, be => {
+        bench_backend(&be, args, source, &cfg, written)?
+    });
     drop(dir);
     report.wall_s = wall.elapsed().as_secs_f64();
     if let Some(path) = &args.json_out {
@@ -1626,14 +1641,14 @@ struct StepRun {
 #[allow(clippy::too_many_arguments)]
 fn bench_backend<B: Backend>(
     be: &B,
-    sync: &dyn Fn() -> Result<()>,
-    device: String,
-    kv_elem_bytes: usize,
     args: &BenchArgs,
     source: WeightSource<'_>,
     cfg: &ModelConfig,
     written: Written,
 ) -> Result<BenchReport> {
+    let sync = &|| be.synchronize();
+    let device = be.describe();
+    let kv_elem_bytes = be.element_bytes();
     let clock = Instant::now();
     let model = match source.synthetic {
         Some(ckpt) => QwenVl::from_checkpoint(be, cfg.clone(), ckpt)?,
@@ -1891,7 +1906,7 @@ fn bench_backend<B: Backend>(
         && replay.identical != Some(false)
         && breakdown.as_ref().is_none_or(|b| b.identical);
     Ok(BenchReport {
-        backend: args.backend.clone(),
+        backend: be.name().to_string(),
         device,
         config_dir: args.config_dir.display().to_string(),
         family: format!("{:?}", model.config.family),

@@ -12,6 +12,7 @@ pub mod error;
 pub mod kv;
 pub mod memory;
 pub mod model;
+pub mod server;
 pub mod tokenize;
 pub mod vision;
 

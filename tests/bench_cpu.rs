@@ -213,11 +213,16 @@ fn grid_specs_and_bad_args() {
         ..BenchArgs::tiny(fixture())
     };
     assert!(run_bench(&bad).is_err(), "history must exceed the budget");
-    let bad = BenchArgs {
-        backend: "tpu".into(),
-        ..BenchArgs::tiny(fixture())
-    };
-    assert!(run_bench(&bad).is_err());
+    assert!(
+        BenchArgs::from_flags(&["--backend", "tpu"]).is_err(),
+        "unknown backend"
+    );
+    let tiny = BenchArgs::tiny(fixture());
+    assert_eq!(tiny.backend.backend, recall::backend::BackendChoice::Cpu);
+    // Flags after the preset win.
+    let mut flags = recall::bench::TINY_PRESET.to_vec();
+    flags.extend(["--budget", "3"]);
+    assert_eq!(BenchArgs::from_flags(&flags).unwrap().budget, 3);
     let bad = BenchArgs {
         grid: GridSpec::Patches([1, 3, 4]),
         ..BenchArgs::tiny(fixture())

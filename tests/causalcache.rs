@@ -82,7 +82,15 @@ fn recent_allocation_is_a_single_pass() {
     let mut e = p.engine(EngineConfig::default()).unwrap();
     let mut memo = EpisodeMemo::default();
     for t in 1..=episode.decisions() {
-        let r = two_pass_step(&p, &mut e, &episode, t, &mut Recent, &cfg(), &mut memo).unwrap();
+        let r = two_pass_step(
+            &mut p.session(&mut e),
+            &episode,
+            t,
+            &mut Recent,
+            &cfg(),
+            &mut memo,
+        )
+        .unwrap();
         assert!(!r.pass2 && r.k == 0 && r.allocation == r.recent, "t={t}: {r:?}");
         assert_eq!(r.response, r.proposal);
         let single = p
@@ -108,7 +116,15 @@ fn second_pass_equals_a_fresh_run_of_its_prompt() {
     let mut memo = EpisodeMemo::default();
     let mut ran = 0;
     for t in 1..=episode.decisions() {
-        let r = two_pass_step(&p, &mut e, &episode, t, &mut OldestFirst, &cfg(), &mut memo).unwrap();
+        let r = two_pass_step(
+            &mut p.session(&mut e),
+            &episode,
+            t,
+            &mut OldestFirst,
+            &cfg(),
+            &mut memo,
+        )
+        .unwrap();
         assert_eq!(r.pass2, r.allocation != r.recent, "t={t}");
         if r.pass2 {
             ran += 1;

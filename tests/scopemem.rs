@@ -34,7 +34,7 @@ fn p0_matches_hf_and_sums_to_one() {
     let mut e = p.engine(EngineConfig::default()).unwrap();
     let prompt = prompt(&p, &r, &mut e);
     let first = r.meta["first_opinion"].as_str().unwrap();
-    let p0 = action_type_distribution(&p, &mut e, &prompt, first, Platform::Mobile).unwrap();
+    let p0 = action_type_distribution(&mut p.session(&mut e), &prompt, first, Platform::Mobile).unwrap();
     let sum: f32 = p0.iter().sum();
     assert!((sum - 1.0).abs() < 1e-5, "p0 sums to {sum}");
     let (want, _) = r.f32("p0");
@@ -78,7 +78,7 @@ fn prepended_prefix_matches_hf_inputs_embeds() {
     // Through the engine: the prefix as an embedding run, first decision's logits = HF's last row.
     let mut e = p.engine(EngineConfig::default()).unwrap();
     let plain = prompt(&p, &r, &mut e);
-    let with = with_prefix(&p, &plain, prefix, Placement::Prepend).unwrap();
+    let with = with_prefix(&p.session(&mut e), &plain, prefix, Placement::Prepend).unwrap();
     let params = GenerateParams {
         max_tokens: 1,
         eos_token_ids: vec![],
@@ -114,8 +114,7 @@ fn drafted_second_pass_is_exact_and_short_when_opinions_agree() {
                 draft,
             };
             scopemem_step(
-                &p,
-                &mut e,
+                &mut p.session(&mut e),
                 &encoder,
                 &prompt,
                 "Send the forecast to Alice.",
@@ -141,7 +140,7 @@ fn drafted_second_pass_is_exact_and_short_when_opinions_agree() {
     let mut e = p.engine(EngineConfig::default()).unwrap();
     let base = prompt(&p, &r, &mut e);
     let (prefix, _) = r.f32("prefix");
-    let second = with_prefix(&p, &base, prefix, Placement::Prepend).unwrap();
+    let second = with_prefix(&p.session(&mut e), &base, prefix, Placement::Prepend).unwrap();
     let params = GenerateParams {
         max_tokens: 10,
         eos_token_ids: vec![],

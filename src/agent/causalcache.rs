@@ -13,10 +13,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use crate::agent::action::{equivalent, parse_response, Action, ActionBucket as ParsedBucket};
-use crate::backend::Backend;
-use crate::engine::{
-    Engine, GenerateParams, Generation, ImageHash, Outcome, Pipeline, Prompt, RequestOptions, Task,
-};
+use crate::engine::{GenerateParams, Generation, ImageHash, Prompt, RequestOptions, Session};
 use crate::error::{Error, Result};
 use crate::memory::episode::{Decision, Episode};
 use crate::memory::policy::{thumbnail, AllocationPolicy, PolicyInputs, Thumbnail};
@@ -110,10 +107,10 @@ impl EpisodeMemo {
     }
 }
 
-/// Runs decision `t` of `episode` (offline replay: history from the record).
-pub fn two_pass_step<B: Backend>(
-    p: &Pipeline<B>,
-    engine: &mut Engine<'_, B>,
+/// Runs decision `t` of `episode`: offline replay with the history from the record, or a live step
+/// when `t = T + 1` (the current screenshot is the episode's final screenshot).
+pub fn two_pass_step(
+    s: &mut dyn Session,
     episode: &Episode,
     t: usize,
     policy: &mut dyn AllocationPolicy,
@@ -126,10 +123,10 @@ pub fn two_pass_step<B: Backend>(
     let mut timings = Timings::default();
 
     let clock = Instant::now();
-    let prompt1 = prompt_for(p, engine, cfg.protocol, &decision, &recent)?;
+    let prompt1 = prompt_for(s, cfg.protocol, &decision, &recent)?;
     timings.prepare1_ms = ms(clock);
     let clock = Instant::now();
-    let (proposal, reused1, _) = generate(p, engine, &prompt1, cfg, Vec::new())?;
+    let (proposal, reused1, _) = generate(s, &prompt1, cfg, Vec::new())?;
     timings.pass1_ms = ms(clock);
 
     let clock = Instant::now();
@@ -158,7 +155,7 @@ pub fn two_pass_step<B: Backend>(
         (proposal.clone(), 0, 0)
     } else {
         let clock = Instant::now();
-        let prompt2 = prompt_for(p, engine, cfg.protocol, &decision, &allocation)?;
+        let prompt2 = prompt_for(s, cfg.protocol, &decision, &allocation)?;
         timings.prepare2_ms = ms(clock);
         let clock = Instant::now();
         let draft = if cfg.draft {
@@ -166,7 +163,7 @@ pub fn two_pass_step<B: Backend>(
         } else {
             Vec::new()
         };
-        let out = generate(p, engine, &prompt2, cfg, draft)?;
+        let out = generate(s, &prompt2, cfg, draft)?;
         timings.pass2_ms = ms(clock);
         out
     };
@@ -198,51 +195,43 @@ fn ms(since: Instant) -> f64 {
 }
 
 /// The engine prompt of `decision` rendered with `allocation`.
-fn prompt_for<B: Backend>(
-    p: &Pipeline<B>,
-    engine: &mut Engine<'_, B>,
+fn prompt_for(
+    s: &mut dyn Session,
     protocol: Protocol,
     decision: &Decision<'_>,
     allocation: &[usize],
 ) -> Result<Prompt> {
     let messages = render_decision(protocol, decision, allocation)?;
-    p.chat_prompt(engine, &messages, true)
+    s.chat_prompt(&messages)
 }
 
 /// One greedy pass; stops at `</tool_call>` as GUI-Owl's serving does. Returns the generation, the
 /// prompt tokens reused from the cache and the draft tokens accepted.
-fn generate<B: Backend>(
-    p: &Pipeline<B>,
-    engine: &mut Engine<'_, B>,
+fn generate(
+    s: &mut dyn Session,
     prompt: &Prompt,
     cfg: &TwoPassConfig,
     draft: Vec<u32>,
 ) -> Result<(Generation, usize, usize)> {
-    let mut eos = p.eos_token_ids();
-    eos.extend(p.tokenizer.token_id("</tool_call>"));
-    let params = GenerateParams {
-        max_tokens: cfg.max_tokens,
-        eos_token_ids: eos,
-        stop_strings: Vec::new(),
-    };
+    let params = agent_params(s, cfg.max_tokens);
     let opts = RequestOptions {
         adapter: cfg.adapter,
         draft,
         ..RequestOptions::default()
     };
-    let id = engine.add_request_with(prompt, Task::Generate(params), opts)?;
-    let out = loop {
-        if let Some(o) = engine.step()?.into_iter().find(|o| o.id == id) {
-            break o;
-        }
-        if !engine.has_work() {
-            return Err(Error::InvalidRequest(format!("request {id} vanished")));
-        }
-    };
-    match out.outcome {
-        Outcome::Generation(g) => Ok((g, out.reused_tokens, out.accepted_draft)),
-        Outcome::Failed(e) => Err(Error::InvalidRequest(e)),
-        other => Err(Error::InvalidRequest(format!("unexpected outcome {other:?}"))),
+    let (g, out) = s.generate(prompt, params, opts)?;
+    Ok((g, out.reused_tokens, out.accepted_draft))
+}
+
+/// Greedy generation of at most `max_tokens` that ends at the model's eos or at `</tool_call>`, as
+/// GUI-Owl's serving does.
+pub fn agent_params(s: &dyn Session, max_tokens: usize) -> GenerateParams {
+    let mut eos = s.eos_token_ids();
+    eos.extend(s.tokenizer().token_id("</tool_call>"));
+    GenerateParams {
+        max_tokens,
+        eos_token_ids: eos,
+        stop_strings: Vec::new(),
     }
 }
 
@@ -351,9 +340,8 @@ pub fn make_policy(c: &PolicyChoice) -> Result<Box<dyn AllocationPolicy>> {
 }
 
 /// Replays every decision of `episode` with the two-pass step, showing progress.
-pub fn run_episode<B: Backend>(
-    p: &Pipeline<B>,
-    engine: &mut Engine<'_, B>,
+pub fn run_episode(
+    s: &mut dyn Session,
     episode: &Episode,
     policy: &mut dyn AllocationPolicy,
     cfg: &TwoPassConfig,
@@ -366,7 +354,7 @@ pub fn run_episode<B: Backend>(
     let mut memo = EpisodeMemo::default();
     let mut out = Vec::with_capacity(n);
     for t in 1..=n {
-        let r = two_pass_step(p, engine, episode, t, policy, cfg, &mut memo)?;
+        let r = two_pass_step(s, episode, t, policy, cfg, &mut memo)?;
         tracing::info!(t, allocation = ?r.allocation, k = r.k, pass2 = r.pass2, "step");
         out.push(r);
         bar.inc(1);
@@ -423,9 +411,8 @@ pub struct UtilityLabel {
 /// pool, Recent-B anchors for every budget in `budgets`, and beam-teacher sets (shortlist the top 6
 /// singletons, beam 3, up to the largest budget). Every set is scored as a complete prompt; the
 /// sets of one level are scored in one shared-prefix call.
-pub fn utility_labels<B: Backend>(
-    p: &Pipeline<B>,
-    engine: &mut Engine<'_, B>,
+pub fn utility_labels(
+    s: &mut dyn Session,
     episode: &Episode,
     t: usize,
     protocol: Protocol,
@@ -435,17 +422,16 @@ pub fn utility_labels<B: Backend>(
     let reference = decision
         .reference
         .ok_or_else(|| Error::InvalidRequest(format!("decision {t} has no recorded response to label")))?;
-    let target = p.tokenizer.encode(reference)?;
+    let target = s.tokenizer().encode(reference)?;
     let pool: Vec<usize> = protocol.eligible(t - 1).collect();
-    let score_sets = |engine: &mut Engine<'_, B>, sets: &[Vec<usize>]| -> Result<Vec<(f64, f64)>> {
+    let score_sets = |s: &mut dyn Session, sets: &[Vec<usize>]| -> Result<Vec<(f64, f64)>> {
         let pairs = sets
             .iter()
-            .map(|s| Ok((prompt_for(p, engine, protocol, &decision, s)?, target.clone())))
+            .map(|set| Ok((prompt_for(s, protocol, &decision, set)?, target.clone())))
             .collect::<Result<Vec<_>>>()?;
-        Ok(engine
-            .score_many(&pairs)?
+        Ok(s.score_many(&pairs)?
             .into_iter()
-            .map(|s| (s.mean_logprob, s.sum_logprob))
+            .map(|score| (score.mean_logprob, score.sum_logprob))
             .collect())
     };
     let label = |kind, set: &Vec<usize>, (q, sum): (f64, f64)| UtilityLabel {
@@ -458,7 +444,7 @@ pub fn utility_labels<B: Backend>(
     };
     let mut labels = Vec::new();
     let singles: Vec<Vec<usize>> = pool.iter().map(|&j| vec![j]).collect();
-    let single_q = score_sets(engine, &singles)?;
+    let single_q = score_sets(s, &singles)?;
     labels.extend(
         singles
             .iter()
@@ -466,7 +452,7 @@ pub fn utility_labels<B: Backend>(
             .map(|(s, q)| label("singleton", s, *q)),
     );
     let anchors: Vec<Vec<usize>> = budgets.iter().map(|&b| protocol.recent_b(t - 1, b)).collect();
-    let anchor_q = score_sets(engine, &anchors)?;
+    let anchor_q = score_sets(s, &anchors)?;
     labels.extend(anchors.iter().zip(&anchor_q).map(|(s, q)| label("recent", s, *q)));
 
     // Beam teacher: grow sets from the best singletons.
@@ -490,7 +476,7 @@ pub fn utility_labels<B: Backend>(
         if children.is_empty() {
             break;
         }
-        let qs = score_sets(engine, &children)?;
+        let qs = score_sets(s, &children)?;
         let mut scored: Vec<(Vec<usize>, (f64, f64))> = children.into_iter().zip(qs).collect();
         labels.extend(scored.iter().map(|(s, q)| label("beam", s, *q)));
         scored.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));

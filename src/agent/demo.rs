@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use crate::agent::causalcache::{make_policy, run_episode, PolicyChoice, StepReport, TwoPassConfig};
 use crate::agent::chart::{write_allocation_chart, AllocationRow};
-use crate::backend::cpu::CpuBackend;
+use crate::backend::Backend;
 use crate::engine::{EngineConfig, Pipeline};
 use crate::error::Result;
 use crate::memory::episode::Episode;
@@ -30,9 +30,14 @@ impl DemoPaths {
     }
 }
 
-/// Runs the demo; returns the per-step reports and writes the allocation chart to `chart`.
-pub fn run_demo(paths: &DemoPaths, budget: usize, chart: &Path) -> Result<Vec<StepReport>> {
-    let p = Pipeline::load(CpuBackend, &paths.model, None)?;
+/// Runs the demo on `p` (the model of `paths`, loaded on any backend); returns the per-step reports
+/// and writes the allocation chart to `chart`.
+pub fn run_demo<B: Backend>(
+    p: &Pipeline<B>,
+    paths: &DemoPaths,
+    budget: usize,
+    chart: &Path,
+) -> Result<Vec<StepReport>> {
     let episode = Episode::load(&paths.episode)?;
     let choice = PolicyChoice {
         name: "selector".into(),
@@ -48,7 +53,7 @@ pub fn run_demo(paths: &DemoPaths, budget: usize, chart: &Path) -> Result<Vec<St
         ..TwoPassConfig::default()
     };
     let mut engine = p.engine(EngineConfig::default())?;
-    let reports = run_episode(&p, &mut engine, &episode, policy.as_mut(), &cfg)?;
+    let reports = run_episode(&mut p.session(&mut engine), &episode, policy.as_mut(), &cfg)?;
     let rows: Vec<AllocationRow> = reports
         .iter()
         .map(|r| AllocationRow {

@@ -16,11 +16,9 @@
 use serde::Serialize;
 
 use crate::agent::action::{parse_response, Platform};
+use crate::agent::causalcache::agent_params;
 use crate::agent::dataset::EvalStep;
-use crate::backend::Backend;
-use crate::engine::{
-    Engine, GenerateParams, Generation, Outcome, Pipeline, Prompt, RequestOptions, Segment, Task,
-};
+use crate::engine::{Generation, Prompt, RequestOptions, Segment, Session};
 use crate::error::{Error, Result};
 use crate::memory::episode::StepRecord;
 use crate::memory::protocol::{render, Protocol};
@@ -48,6 +46,21 @@ pub enum Placement {
     Prepend,
     /// Right before the assistant turn (reuses the context's K/V; needs its own training).
     Append,
+}
+
+impl std::str::FromStr for Placement {
+    type Err = Error;
+
+    /// `prepend` or `append`.
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "prepend" => Ok(Placement::Prepend),
+            "append" => Ok(Placement::Append),
+            other => Err(Error::InvalidRequest(format!(
+                "placement `{other}`: expected prepend or append"
+            ))),
+        }
+    }
 }
 
 /// Settings of a ScopeMem step.
@@ -106,9 +119,8 @@ pub fn decision_prefix(first: &str, platform: Platform) -> String {
 
 /// p0: the actor's distribution over the action types at the decision position of `first`,
 /// computed exactly by scoring every continuation `TYPE"` in one shared-prefix call.
-pub fn action_type_distribution<B: Backend>(
-    p: &Pipeline<B>,
-    engine: &mut Engine<'_, B>,
+pub fn action_type_distribution(
+    s: &mut dyn Session,
     prompt: &Prompt,
     first: &str,
     platform: Platform,
@@ -118,11 +130,11 @@ pub fn action_type_distribution<B: Backend>(
     // and score from the longest token prefix they all share.
     let seqs: Vec<Vec<u32>> = MOBILE_ACTION_TYPES
         .iter()
-        .map(|t| p.tokenizer.encode(&format!("{prefix}{t}\"")))
+        .map(|t| s.tokenizer().encode(&format!("{prefix}{t}\"")))
         .collect::<Result<_>>()?;
     let min_len = seqs.iter().map(Vec::len).min().unwrap_or(0);
     let shared = (0..min_len.saturating_sub(1))
-        .take_while(|&i| seqs.iter().all(|s| s[i] == seqs[0][i]))
+        .take_while(|&i| seqs.iter().all(|q| q[i] == seqs[0][i]))
         .count();
     let mut at_decision = prompt.clone();
     at_decision
@@ -130,50 +142,33 @@ pub fn action_type_distribution<B: Backend>(
         .push(Segment::Text(seqs[0][..shared].to_vec()));
     let pairs: Vec<(Prompt, Vec<u32>)> = seqs
         .iter()
-        .map(|s| (at_decision.clone(), s[shared..].to_vec()))
+        .map(|q| (at_decision.clone(), q[shared..].to_vec()))
         .collect();
-    let sums: Vec<f64> = engine.score_many(&pairs)?.iter().map(|s| s.sum_logprob).collect();
+    let sums: Vec<f64> = s.score_many(&pairs)?.iter().map(|sc| sc.sum_logprob).collect();
     let max = sums.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     let z: f64 = sums.iter().map(|s| (s - max).exp()).sum();
     let mut p0 = [0f32; NUM_ACTION_TYPES];
-    for (o, s) in p0.iter_mut().zip(&sums) {
-        *o = ((s - max).exp() / z) as f32;
+    for (o, sum) in p0.iter_mut().zip(&sums) {
+        *o = ((sum - max).exp() / z) as f32;
     }
     Ok(p0)
 }
 
 /// One greedy generation through the engine; returns it with the forwards it took and the draft
 /// tokens accepted.
-fn generate<B: Backend>(
-    p: &Pipeline<B>,
-    engine: &mut Engine<'_, B>,
+fn generate(
+    s: &mut dyn Session,
     prompt: &Prompt,
     max_tokens: usize,
     draft: Vec<u32>,
 ) -> Result<(Generation, u64, usize)> {
-    let mut eos = p.eos_token_ids();
-    eos.extend(p.tokenizer.token_id("</tool_call>"));
-    let params = GenerateParams {
-        max_tokens,
-        eos_token_ids: eos,
-        stop_strings: Vec::new(),
+    let params = agent_params(s, max_tokens);
+    let opts = RequestOptions {
+        draft,
+        ..Default::default()
     };
-    let before = engine.forwards;
-    let id = engine.add_request_with(
-        prompt,
-        Task::Generate(params),
-        RequestOptions {
-            draft,
-            ..Default::default()
-        },
-    )?;
-    let out = engine.run_all()?.into_iter().find(|o| o.id == id);
-    let out = out.ok_or_else(|| Error::InvalidRequest(format!("request {id} vanished")))?;
-    match out.outcome {
-        Outcome::Generation(g) => Ok((g, engine.forwards - before, out.accepted_draft)),
-        Outcome::Failed(e) => Err(Error::InvalidRequest(e)),
-        other => Err(Error::InvalidRequest(format!("unexpected outcome {other:?}"))),
-    }
+    let (g, out) = s.generate(prompt, params, opts)?;
+    Ok((g, out.forwards, out.accepted_draft))
 }
 
 /// Which end of a field the encoder keeps when it is longer than the encoder's positions.
@@ -184,27 +179,23 @@ enum Keep {
 }
 
 /// An encoder text field as the actor's frozen token embeddings, cut to `max` tokens.
-fn embed_text<B: Backend>(p: &Pipeline<B>, text: &str, max: usize, keep: Keep) -> Result<Vec<f32>> {
-    let mut ids = p.tokenizer.encode(text)?;
+fn embed_text(s: &mut dyn Session, text: &str, max: usize, keep: Keep) -> Result<Vec<f32>> {
+    let mut ids = s.tokenizer().encode(text)?;
     if ids.len() > max {
         ids = match keep {
             Keep::First => ids[..max].to_vec(),
             Keep::Last => ids[ids.len() - max..].to_vec(),
         };
     }
-    if ids.is_empty() {
-        return Ok(Vec::new());
-    }
-    p.backend.download(&p.model.text.embed(&p.backend, &ids)?)
+    s.embed_tokens(&ids)
 }
 
 /// Runs the ScopeMem step on `prompt` (the actor's prompt with its generation prompt).
 ///
 /// `task` is the instruction, `history` the completed steps' action lines (oldest first).
 #[allow(clippy::too_many_arguments)]
-pub fn scopemem_step<B: Backend>(
-    p: &Pipeline<B>,
-    engine: &mut Engine<'_, B>,
+pub fn scopemem_step(
+    s: &mut dyn Session,
     encoder: &ScopeMemEncoder,
     prompt: &Prompt,
     task: &str,
@@ -212,9 +203,9 @@ pub fn scopemem_step<B: Backend>(
     platform: Platform,
     cfg: &ScopeMemConfig,
 ) -> Result<Opinions> {
-    let (first, _, _) = generate(p, engine, prompt, cfg.max_tokens, Vec::new())?;
+    let (first, _, _) = generate(s, prompt, cfg.max_tokens, Vec::new())?;
     let first_text = first.text.clone().unwrap_or_default();
-    let p0 = action_type_distribution(p, engine, prompt, &first_text, platform)?;
+    let p0 = action_type_distribution(s, prompt, &first_text, platform)?;
     let recent: Vec<&String> = history
         .iter()
         .rev()
@@ -244,20 +235,20 @@ pub fn scopemem_step<B: Backend>(
     // summary and the recent actions, whose newest part matters most).
     let max = encoder.config().max_positions;
     let inputs = EncoderInputs {
-        first_opinion: embed_text(p, &first_text, max, Keep::First)?,
-        task: embed_text(p, task, max, Keep::First)?,
-        summary: embed_text(p, &summary.join("\n"), max, Keep::Last)?,
-        recent_actions: embed_text(p, &actions.join(", "), max, Keep::Last)?,
+        first_opinion: embed_text(s, &first_text, max, Keep::First)?,
+        task: embed_text(s, task, max, Keep::First)?,
+        summary: embed_text(s, &summary.join("\n"), max, Keep::Last)?,
+        recent_actions: embed_text(s, &actions.join(", "), max, Keep::Last)?,
         p0,
     };
     let prefix = encoder.forward(&inputs)?;
-    let second_prompt = with_prefix(p, prompt, prefix, cfg.placement)?;
+    let second_prompt = with_prefix(s, prompt, prefix, cfg.placement)?;
     let draft = if cfg.draft {
         first.tokens.clone()
     } else {
         Vec::new()
     };
-    let (second, forwards, accepted) = generate(p, engine, &second_prompt, cfg.max_tokens, draft)?;
+    let (second, forwards, accepted) = generate(s, &second_prompt, cfg.max_tokens, draft)?;
     Ok(Opinions {
         first: first_text,
         p0,
@@ -269,13 +260,13 @@ pub fn scopemem_step<B: Backend>(
 }
 
 /// `prompt` with the prefix vectors `[16 · hidden]` placed as an embedding run.
-pub fn with_prefix<B: Backend>(
-    p: &Pipeline<B>,
+pub fn with_prefix(
+    s: &dyn Session,
     prompt: &Prompt,
     prefix: Vec<f32>,
     placement: Placement,
 ) -> Result<Prompt> {
-    let hidden = p.model.text.config().hidden_size;
+    let hidden = s.hidden_size();
     let rows = prefix.len() / hidden.max(1);
     let bytes: Vec<u8> = prefix.iter().flat_map(|x| x.to_le_bytes()).collect();
     let run = Segment::Embeds {
@@ -287,7 +278,7 @@ pub fn with_prefix<B: Backend>(
     match placement {
         Placement::Prepend => segments.insert(0, run),
         Placement::Append => {
-            let turn = p.tokenizer.encode("<|im_start|>assistant\n")?;
+            let turn = s.tokenizer().encode("<|im_start|>assistant\n")?;
             let Some(Segment::Text(last)) = segments.last_mut() else {
                 return Err(Error::InvalidRequest(
                     "the prompt does not end with a text run".into(),
@@ -308,12 +299,7 @@ pub fn with_prefix<B: Backend>(
 
 /// The actor's prompt for a dataset step: the GUI-Owl protocol with the step's history folded, its
 /// earlier screenshots shown for the most recent steps, and the current screenshot last.
-pub fn dataset_prompt<B: Backend>(
-    p: &Pipeline<B>,
-    engine: &mut Engine<'_, B>,
-    step: &EvalStep,
-    platform: Platform,
-) -> Result<Prompt> {
+pub fn dataset_prompt(s: &mut dyn Session, step: &EvalStep, platform: Platform) -> Result<Prompt> {
     let (current, earlier) = step
         .screenshots
         .split_last()
@@ -345,7 +331,7 @@ pub fn dataset_prompt<B: Backend>(
         &allocation,
         current,
     )?;
-    p.chat_prompt(engine, &messages, true)
+    s.chat_prompt(&messages)
 }
 
 /// One evaluated dataset step: what the metrics need, and the ScopeMem details when it ran.
@@ -358,9 +344,8 @@ pub struct DatasetResult {
 /// Runs the actor (and, with an encoder, ScopeMem's second opinion) on every step of `dataset` —
 /// or only on the steps whose 1-based file line is in `lines` — with progress shown. Without an
 /// encoder the second opinion is the first.
-pub fn run_dataset<B: Backend>(
-    p: &Pipeline<B>,
-    engine: &mut Engine<'_, B>,
+pub fn run_dataset(
+    s: &mut dyn Session,
     encoder: Option<&ScopeMemEncoder>,
     dataset: &crate::agent::dataset::StepDataset,
     lines: Option<&[usize]>,
@@ -383,12 +368,11 @@ pub fn run_dataset<B: Backend>(
     );
     let mut out = Vec::with_capacity(steps.len());
     for step in steps {
-        let prompt = dataset_prompt(p, engine, step, dataset.platform)?;
+        let prompt = dataset_prompt(s, step, dataset.platform)?;
         let (first, second, opinions) = match encoder {
             Some(enc) => {
                 let o = scopemem_step(
-                    p,
-                    engine,
+                    s,
                     enc,
                     &prompt,
                     &step.instruction,
@@ -399,7 +383,7 @@ pub fn run_dataset<B: Backend>(
                 (o.first.clone(), o.second.clone(), Some(o))
             }
             None => {
-                let (g, _, _) = generate(p, engine, &prompt, cfg.max_tokens, Vec::new())?;
+                let (g, _, _) = generate(s, &prompt, cfg.max_tokens, Vec::new())?;
                 let text = g.text.unwrap_or_default();
                 (text.clone(), text, None)
             }

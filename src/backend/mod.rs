@@ -12,6 +12,9 @@ mod check;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod select;
+
+pub use select::{select, BackendArgs, BackendChoice, Selected};
 
 use crate::model::loader::TensorRef;
 use crate::Result;
@@ -29,6 +32,17 @@ pub trait Backend: Send + Sync {
     /// Bytes of one element of activations and of the KV pool (4 for f32, 2 for bf16): what sizes a
     /// KV pool or a cache of embeddings given in bytes.
     fn element_bytes(&self) -> usize;
+
+    /// What the backend runs on, for logs and reports (e.g. `cpu (2 threads)`, `NVIDIA H200 (sm_90)`).
+    fn describe(&self) -> String {
+        self.name().to_string()
+    }
+
+    /// Waits for all queued work (a no-op where ops complete when they return); surfaces
+    /// asynchronous errors. Timings need it.
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
 
     /// `(free, total)` bytes of the device's own memory, for sizing the KV pool from what is left
     /// after the weights; `None` when tensors live in host memory (the CPU backend).

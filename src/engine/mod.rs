@@ -17,6 +17,7 @@ pub mod sampling;
 mod scheduler;
 pub mod score;
 mod sequence;
+pub mod session;
 pub mod vision_cache;
 
 pub use self::core::{
@@ -29,3 +30,4 @@ pub use prompt::{ImageHash, ImageRole, Prompt, Segment};
 pub use sampling::{Sampling, TokenLogprobs};
 pub use score::{score, Score};
 pub use sequence::{RequestId, Task};
+pub use session::{LocalSession, Session};

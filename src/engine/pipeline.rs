@@ -5,12 +5,14 @@ use std::path::Path;
 
 use crate::backend::Backend;
 use crate::engine::prompt::{ImageHash, ImageRole, Prompt, Segment};
+use crate::engine::session::LocalSession;
 use crate::engine::{generate, score, Engine, EngineConfig, GenerateParams, Generation, PromptInput, Score};
 use crate::error::{Error, Result};
 use crate::model::{rope_index, AdapterMode, Family, GridThw, LogitsFor, QwenVl, Span, VisualFeatures};
 use crate::tokenize::chat::{render_chat_with_images, ChatFamily, ChatMessage};
 use crate::tokenize::Tokenizer;
 use crate::vision::{preprocess, preprocess_image, ImageSource, PixelValues, PreprocessConfig};
+use image::RgbImage;
 
 /// A loaded model, its tokenizer and its image preprocessing on one backend.
 pub struct Pipeline<B: Backend> {
@@ -184,6 +186,22 @@ impl<B: Backend> Pipeline<B> {
         Engine::new(&self.backend, &self.model, Some(&self.tokenizer), cfg)
     }
 
+    /// A [`Session`](crate::engine::Session) over this pipeline and `engine`, for the agent layer.
+    pub fn session<'a, 'm>(&'a self, engine: &'a mut Engine<'m, B>) -> LocalSession<'a, 'm, B> {
+        LocalSession {
+            pipeline: self,
+            engine,
+        }
+    }
+
+    /// The model's input embeddings of `ids`, `[ids.len() · hidden]` row-major (empty for no ids).
+    pub fn embed_tokens(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.backend.download(&self.model.text.embed(&self.backend, ids)?)
+    }
+
     /// Renders `messages` into an engine [`Prompt`]: text runs and images by content hash. Images the
     /// engine has not seen are preprocessed and encoded once (later prompts showing the same pixels
     /// reuse the cached embeddings). The last image is the `Current` screenshot, earlier ones `History`.
@@ -193,37 +211,21 @@ impl<B: Backend> Pipeline<B> {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<Prompt> {
-        let rendered = render_chat_with_images(self.chat_family(), messages, add_generation_prompt);
-        let ids = self.tokenizer.encode(&rendered.text)?;
-        let pad = self.model.config.image_token_id.unwrap_or(u32::MAX);
-        let pads = ids.iter().filter(|&&t| t == pad).count();
-        if pads != rendered.images.len() {
-            return Err(Error::InvalidRequest(format!(
-                "the prompt has {pads} image placeholders for {} images",
-                rendered.images.len()
-            )));
+        let renderer = self.renderer();
+        let (ids, sources) = renderer.ids(&self.tokenizer, messages, add_generation_prompt)?;
+        let images = sources
+            .iter()
+            .map(|src| self.encode_image(engine, src))
+            .collect::<Result<Vec<_>>>()?;
+        renderer.prompt(ids, &images)
+    }
+
+    /// How this model's chats become token ids and prompts.
+    pub fn renderer(&self) -> ChatRenderer {
+        ChatRenderer {
+            family: self.chat_family(),
+            image_pad: self.model.config.image_token_id,
         }
-        let mut segments = Vec::new();
-        let mut text = Vec::new();
-        let mut images = rendered.images.iter().enumerate();
-        for id in ids {
-            if id != pad {
-                text.push(id);
-                continue;
-            }
-            let Some((i, src)) = images.next() else { break };
-            let (hash, grid) = self.encode_image(engine, src)?;
-            segments.push(Segment::Text(std::mem::take(&mut text)));
-            let role = if i + 1 == rendered.images.len() {
-                ImageRole::Current
-            } else {
-                ImageRole::History
-            };
-            segments.push(Segment::Image { hash, grid, role });
-        }
-        segments.push(Segment::Text(text));
-        segments.retain(|s| !matches!(s, Segment::Text(t) if t.is_empty()));
-        Ok(Prompt { segments })
     }
 
     /// The content hash and grid of the image at `src`, encoding it into the engine's vision cache when
@@ -241,13 +243,26 @@ impl<B: Backend> Pipeline<B> {
         if let Some(k) = key {
             engine.remember_source(k, hash);
         }
-        if let Some(grid) = engine.image_grid(hash) {
-            return Ok((hash, grid));
-        }
-        let pixels = preprocess_image(&img, &self.preprocess)
+        let grid = self
+            .encode_decoded(engine, hash, &img)
             .map_err(|e| Error::InvalidRequest(format!("{source}: {e}")))?;
+        Ok((hash, grid))
+    }
+
+    /// The grid of a decoded image with content hash `hash`, preprocessing it and running the vision
+    /// tower only when the engine's vision cache does not hold it.
+    pub fn encode_decoded(
+        &self,
+        engine: &mut Engine<'_, B>,
+        hash: ImageHash,
+        img: &RgbImage,
+    ) -> Result<GridThw> {
+        if let Some(grid) = engine.image_grid(hash) {
+            return Ok(grid);
+        }
+        let pixels = preprocess_image(img, &self.preprocess)?;
         engine.add_image(hash, &pixels)?;
-        Ok((hash, pixels.grid_thw))
+        Ok(pixels.grid_thw)
     }
 
     /// The model's end-of-sequence ids, falling back to the tokenizer's `<|im_end|>`.
@@ -339,6 +354,78 @@ impl<B: Backend> Pipeline<B> {
         let prompt = self.prepare(messages, true)?;
         let target = self.tokenizer.encode(target)?;
         score(&self.backend, &self.model.text, &prompt, &target)
+    }
+}
+
+/// How a model's chats become token ids and engine prompts; needs no model weights (a server renders
+/// and tokenizes in its request handlers, off the engine's thread).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChatRenderer {
+    pub family: ChatFamily,
+    /// The id of `<|image_pad|>` (`None` for a model without vision).
+    pub image_pad: Option<u32>,
+}
+
+impl ChatRenderer {
+    /// The token ids of `messages` rendered with the family's chat template (one image-pad id per
+    /// image), and the image sources in order.
+    pub fn ids(
+        &self,
+        tokenizer: &Tokenizer,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<(Vec<u32>, Vec<String>)> {
+        let rendered = render_chat_with_images(self.family, messages, add_generation_prompt);
+        let ids = tokenizer.encode(&rendered.text)?;
+        let pad = self.image_pad.unwrap_or(u32::MAX);
+        let pads = ids.iter().filter(|&&t| t == pad).count();
+        if pads != rendered.images.len() {
+            return Err(Error::InvalidRequest(if self.image_pad.is_none() {
+                "this model has no vision tower; the chat has images".to_string()
+            } else {
+                format!(
+                    "the prompt has {pads} image placeholders for {} images",
+                    rendered.images.len()
+                )
+            }));
+        }
+        Ok((ids, rendered.images))
+    }
+
+    /// The engine prompt of `ids` (from [`ids`](Self::ids)) with each image-pad id replaced by its
+    /// image (content hash and grid, in order). The last image is the `Current` screenshot, earlier
+    /// ones `History`.
+    pub fn prompt(&self, ids: Vec<u32>, images: &[(ImageHash, GridThw)]) -> Result<Prompt> {
+        let pad = self.image_pad.unwrap_or(u32::MAX);
+        let mut segments = Vec::new();
+        let mut text = Vec::new();
+        let mut next = images.iter().enumerate();
+        for id in ids {
+            if id != pad {
+                text.push(id);
+                continue;
+            }
+            let Some((i, &(hash, grid))) = next.next() else {
+                return Err(Error::InvalidRequest(
+                    "more image placeholders than images".into(),
+                ));
+            };
+            segments.push(Segment::Text(std::mem::take(&mut text)));
+            let role = if i + 1 == images.len() {
+                ImageRole::Current
+            } else {
+                ImageRole::History
+            };
+            segments.push(Segment::Image { hash, grid, role });
+        }
+        if next.next().is_some() {
+            return Err(Error::InvalidRequest(
+                "more images than image placeholders".into(),
+            ));
+        }
+        segments.push(Segment::Text(text));
+        segments.retain(|s| !matches!(s, Segment::Text(t) if t.is_empty()));
+        Ok(Prompt { segments })
     }
 }
 

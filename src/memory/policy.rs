@@ -53,7 +53,7 @@ pub struct PolicyInputs<'a> {
 /// assert_eq!(Recent.allocate(&ctx, 2, &PolicyInputs::default())?, vec![4, 5]);
 /// # Ok::<(), recall::Error>(())
 /// ```
-pub trait AllocationPolicy {
+pub trait AllocationPolicy: Send {
     /// A short name for reports.
     fn name(&self) -> &'static str;
 
@@ -268,7 +268,7 @@ impl<M: MarginalModel> Selector<M> {
     }
 }
 
-impl<M: MarginalModel> AllocationPolicy for Selector<M> {
+impl<M: MarginalModel + Send> AllocationPolicy for Selector<M> {
     fn name(&self) -> &'static str {
         "selector"
     }
@@ -299,7 +299,7 @@ impl<M: MarginalModel> Inverted<M> {
     }
 }
 
-impl<M: MarginalModel> AllocationPolicy for Inverted<M> {
+impl<M: MarginalModel + Send> AllocationPolicy for Inverted<M> {
     fn name(&self) -> &'static str {
         "inverted"
     }
@@ -359,7 +359,7 @@ impl<O: UtilityOracle> OracleBeam<O> {
     }
 }
 
-impl<O: UtilityOracle> AllocationPolicy for OracleBeam<O> {
+impl<O: UtilityOracle + Send> AllocationPolicy for OracleBeam<O> {
     fn name(&self) -> &'static str {
         "oracle_beam"
     }

@@ -83,6 +83,28 @@ pub enum Protocol {
     DesktopStrictEvents,
 }
 
+impl std::str::FromStr for Protocol {
+    type Err = Error;
+
+    /// `mobile`, `desktop` or `desktop-strict`.
+    ///
+    /// ```
+    /// use recall::memory::protocol::Protocol;
+    /// assert_eq!("desktop-strict".parse::<Protocol>().unwrap(), Protocol::DesktopStrictEvents);
+    /// assert!("tablet".parse::<Protocol>().is_err());
+    /// ```
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "mobile" => Ok(Self::Mobile),
+            "desktop" => Ok(Self::Desktop),
+            "desktop-strict" => Ok(Self::DesktopStrictEvents),
+            other => Err(Error::InvalidRequest(format!(
+                "protocol `{other}`: expected mobile, desktop or desktop-strict"
+            ))),
+        }
+    }
+}
+
 impl Protocol {
     /// The default protocol of a platform (`Mobile` / `Desktop`).
     pub fn for_platform(platform: Platform) -> Self {

@@ -933,6 +933,21 @@ pub enum Mode {
     Reference,
 }
 
+impl std::str::FromStr for Mode {
+    type Err = crate::Error;
+
+    /// `paper` or `reference`.
+    fn from_str(s: &str) -> crate::Result<Self> {
+        match s {
+            "paper" => Ok(Mode::Paper),
+            "reference" => Ok(Mode::Reference),
+            other => Err(crate::Error::InvalidRequest(format!(
+                "selector mode `{other}`: expected paper or reference"
+            ))),
+        }
+    }
+}
+
 /// Options of [`compose_with`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ComposeOptions {

@@ -315,7 +315,13 @@ pub fn messages_to_json(messages: &[ChatMessage]) -> Value {
 /// mistyped field, an unknown role or an unknown content part type.
 pub fn parse_messages(json: &str, path: &Path) -> Result<Vec<ChatMessage>> {
     let doc: Value = serde_json::from_str(json).map_err(|e| Error::json(path, "messages", e))?;
-    let array = match &doc {
+    parse_messages_value(&doc, path)
+}
+
+/// [`parse_messages`] on an already parsed JSON value (an array of messages, or an object with
+/// `messages`).
+pub fn parse_messages_value(doc: &Value, path: &Path) -> Result<Vec<ChatMessage>> {
+    let array = match doc {
         Value::Array(array) => array,
         Value::Object(object) => match object.get("messages") {
             Some(Value::Array(array)) => array,

@@ -107,6 +107,41 @@ impl Tokenizer {
             .map_err(|e| Error::Tokenizer(format!("cannot decode ids: {e}")))
     }
 
+    /// The text of `ids` as a chat API returns it: special tokens (`<|im_end|>`, ...) left out, added
+    /// tokens that are not special (`<tool_call>`) kept — `skip_special_tokens = true`.
+    pub fn decode_text(&self, ids: &[u32]) -> Result<String> {
+        self.inner
+            .decode(ids, true)
+            .map_err(|e| Error::Tokenizer(format!("cannot decode ids: {e}")))
+    }
+
+    /// The bytes token `id` stands for (a byte-level BPE token may be part of a UTF-8 character);
+    /// empty for an id outside the vocabulary.
+    ///
+    /// ```
+    /// let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/qwen-vl-tokenizer");
+    /// let tok = recall::tokenize::Tokenizer::from_model_dir(&dir)?;
+    /// let id = tok.encode(" the")?[0];
+    /// assert_eq!(tok.token_bytes(id), b" the");
+    /// let ids = tok.encode("é")?;
+    /// let bytes: Vec<u8> = ids.iter().flat_map(|&i| tok.token_bytes(i)).collect();
+    /// assert_eq!(bytes, "é".as_bytes());
+    /// # Ok::<(), recall::Error>(())
+    /// ```
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let Some(piece) = self.inner.id_to_token(id) else {
+            return Vec::new();
+        };
+        let mut out = Vec::with_capacity(piece.len());
+        for c in piece.chars() {
+            match byte_of_char(c) {
+                Some(b) => out.push(b),
+                None => out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
+            }
+        }
+        out
+    }
+
     /// The id of a token given as it appears in the vocabulary: an added token's text
     /// (`"<|im_end|>"`) or a BPE token in byte-level form (`"Ġthe"` for `" the"`).
     pub fn token_id(&self, token: &str) -> Option<u32> {
@@ -129,6 +164,19 @@ impl Tokenizer {
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
     }
+}
+
+/// The byte a character of GPT-2's byte-level alphabet stands for: printable bytes map to themselves,
+/// the other 68 to U+0100 onwards, in byte order.
+fn byte_of_char(c: char) -> Option<u8> {
+    let printable =
+        |b: u32| (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b);
+    let code = c as u32;
+    if code < 0x100 {
+        return printable(code).then_some(code as u8);
+    }
+    let n = (code - 0x100) as usize;
+    (0u32..0x100).filter(|&b| !printable(b)).nth(n).map(|b| b as u8)
 }
 
 impl fmt::Debug for Tokenizer {

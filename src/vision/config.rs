@@ -110,6 +110,20 @@ impl PreprocessConfig {
         self.patch_size * self.merge_size
     }
 
+    /// The merged tokens an image of `height` × `width` pixels becomes (after `smart_resize`), without
+    /// resizing it: what a server checks against the context before encoding anything.
+    ///
+    /// ```
+    /// let cfg = recall::vision::PreprocessConfig::qwen3_vl();
+    /// // 1080x1920 resizes to 1088x1920: 68x120 patches, 34x60 merged tokens.
+    /// assert_eq!(cfg.merged_tokens(1080, 1920).unwrap(), 34 * 60);
+    /// ```
+    pub fn merged_tokens(&self, height: usize, width: usize) -> Result<usize> {
+        let (h, w) =
+            crate::vision::smart_resize(height, width, self.factor(), self.min_pixels, self.max_pixels)?;
+        Ok((h / self.factor()) * (w / self.factor()))
+    }
+
     /// Read a `preprocessor_config.json`. Missing fields take HF's class defaults (Qwen2-VL values).
     ///
     /// ```no_run

@@ -208,6 +208,28 @@ fn sniff(data: &[u8], name: &str) -> Result<ImageFormat> {
 /// assert!(err.contains("GIF") && err.contains("PNG, JPEG, WebP"));
 /// ```
 pub fn decode_image_bytes(data: &[u8], name: &str) -> Result<RgbImage> {
+    decode_image_limited(data, name, DEFAULT_MAX_PIXELS)
+}
+
+/// The default cap on an image's pixels: PIL's decompression-bomb limit (`2 · MAX_IMAGE_PIXELS`).
+pub const DEFAULT_MAX_PIXELS: u64 = 178_956_970;
+
+/// Like [`decode_image_bytes`], but refuses an image of more than `max_pixels` pixels after reading
+/// only its header: a small file that declares huge dimensions (a decompression bomb) is rejected
+/// before anything is allocated for its pixels.
+///
+/// ```
+/// // A PNG header claiming 20000x20000 pixels, and nothing else.
+/// let mut png = b"\x89PNG\r\n\x1a\n\0\0\0\x0dIHDR".to_vec();
+/// png.extend(20000u32.to_be_bytes());
+/// png.extend(20000u32.to_be_bytes());
+/// png.extend([8, 2, 0, 0, 0]);
+/// png.extend(crc32(&png[12..]).to_be_bytes());
+/// # fn crc32(b: &[u8]) -> u32 { let mut c = !0u32; for &x in b { c ^= x as u32; for _ in 0..8 { c = if c & 1 != 0 { 0xEDB88320 ^ (c >> 1) } else { c >> 1 }; } } !c }
+/// let err = recall::vision::decode_image_limited(&png, "bomb.png", 50_000_000).unwrap_err().to_string();
+/// assert!(err.contains("20000x20000"), "{err}");
+/// ```
+pub fn decode_image_limited(data: &[u8], name: &str, max_pixels: u64) -> Result<RgbImage> {
     let format = sniff(data, name)?;
     let corrupt =
         |e: image::ImageError| Error::InvalidRequest(format!("{name}: cannot decode {format:?} image: {e}"));
@@ -220,6 +242,15 @@ pub fn decode_image_bytes(data: &[u8], name: &str) -> Result<RgbImage> {
             "{name}: zero-size image ({w}x{h})"
         )));
     }
+    if u64::from(w) * u64::from(h) > max_pixels {
+        return Err(Error::InvalidRequest(format!(
+            "{name}: image of {w}x{h} pixels exceeds the limit of {max_pixels} pixels"
+        )));
+    }
+    let mut limits = image::Limits::default();
+    // Room for the decoded pixels at up to 16 bits and 4 channels, and nothing more.
+    limits.max_alloc = Some(u64::from(w) * u64::from(h) * 8 + (1 << 20));
+    decoder.set_limits(limits).map_err(corrupt)?;
     let orientation = decoder
         .orientation()
         .unwrap_or(image::metadata::Orientation::NoTransforms);

@@ -31,7 +31,7 @@ mod patchify;
 mod resize;
 
 pub use config::PreprocessConfig;
-pub use load::{decode_image_bytes, ImageSource};
+pub use load::{decode_image_bytes, decode_image_limited, ImageSource, DEFAULT_MAX_PIXELS};
 pub use patchify::patchify;
 pub use resize::{resize, smart_resize, ResizeWeights};
 

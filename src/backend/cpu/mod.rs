@@ -119,6 +119,10 @@ impl Backend for CpuBackend {
         4
     }
 
+    fn describe(&self) -> String {
+        format!("cpu ({} threads)", rayon::current_num_threads())
+    }
+
     fn load_weight(&self, t: &TensorRef) -> Result<CpuWeight> {
         if let Some((fill, first)) = t.synthetic() {
             let n = t.numel() as u64;

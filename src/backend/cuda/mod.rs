@@ -679,6 +679,19 @@ impl Backend for CudaBackend {
         2
     }
 
+    fn describe(&self) -> String {
+        let mode = if self.batch_invariant() {
+            ", batch-invariant"
+        } else {
+            ""
+        };
+        format!("{} ({}{mode})", self.device_name, self.arch)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        CudaBackend::synchronize(self)
+    }
+
     fn memory_info(&self) -> Result<Option<(usize, usize)>> {
         let (free, total) = self
             .ctx

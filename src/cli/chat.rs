@@ -1,0 +1,119 @@
+//! `recall generate`, `recall logits` and `recall score`: one chat through the reference path.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use recall::backend::{select, Backend};
+use recall::tokenize::chat::{parse_messages, ChatMessage};
+use recall::with_backend;
+
+use super::{load, ModelArgs};
+
+#[derive(clap::Args)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The user message.
+    #[arg(long, required_unless_present = "messages")]
+    prompt: Option<String>,
+    /// A JSON array of OpenAI-style chat messages instead of --prompt (text and image parts).
+    #[arg(long, conflicts_with = "prompt")]
+    messages: Option<PathBuf>,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// Stop once the output contains this string (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Print the result as JSON (tokens, text, finish reason).
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args)]
+pub struct LogitsArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// JSON array of OpenAI-style chat messages.
+    #[arg(long)]
+    messages: PathBuf,
+    /// Output safetensors file.
+    #[arg(long)]
+    out: PathBuf,
+}
+
+#[derive(clap::Args)]
+pub struct ScoreArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// JSON array of OpenAI-style chat messages.
+    #[arg(long)]
+    messages: PathBuf,
+    /// The reply to score.
+    #[arg(long)]
+    target: String,
+}
+
+pub fn read_messages(path: &Path) -> Result<Vec<ChatMessage>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    Ok(parse_messages(&text, path)?)
+}
+
+pub fn generate(a: GenerateArgs) -> Result<()> {
+    with_backend!(select(a.model.backend.backend)?, be => generate_on(be, &a))
+}
+
+fn generate_on<B: Backend>(be: B, a: &GenerateArgs) -> Result<()> {
+    let p = load(be, &a.model)?;
+    let messages = match &a.messages {
+        Some(path) => read_messages(path)?,
+        None => vec![ChatMessage::text("user", a.prompt.clone().unwrap_or_default())],
+    };
+    let start = std::time::Instant::now();
+    let (input, out) = p.generate_chat(&messages, a.max_tokens, &a.stop)?;
+    let secs = start.elapsed().as_secs_f64();
+    let prompt_tokens = input.ids.len();
+    tracing::info!(prompt_tokens, new_tokens = out.tokens.len(), secs, "generated");
+    if a.json {
+        let v = serde_json::json!({
+            "prompt_tokens": prompt_tokens,
+            "tokens": out.tokens,
+            "text": out.text,
+            "finish_reason": format!("{:?}", out.finish),
+        });
+        println!("{v}");
+    } else {
+        println!("{}", out.text.unwrap_or_default());
+    }
+    Ok(())
+}
+
+pub fn logits(a: LogitsArgs) -> Result<()> {
+    with_backend!(select(a.model.backend.backend)?, be => {
+        let p = load(be, &a.model)?;
+        let r = p.prompt_logits(&read_messages(&a.messages)?)?;
+        recall::engine::pipeline::write_logits(&a.out, &r)?;
+        eprintln!(
+            "wrote {} positions x {} logits to {}",
+            r.input_ids.len(),
+            r.vocab,
+            a.out.display()
+        );
+        Ok(())
+    })
+}
+
+pub fn score(a: ScoreArgs) -> Result<()> {
+    with_backend!(select(a.model.backend.backend)?, be => {
+        let p = load(be, &a.model)?;
+        let s = p.score_reply(&read_messages(&a.messages)?, &a.target)?;
+        let v = serde_json::json!({
+            "tokens": s.token_logprobs.len(),
+            "sum_logprob": s.sum_logprob,
+            "mean_logprob": s.mean_logprob,
+            "token_logprobs": s.token_logprobs,
+        });
+        println!("{v}");
+        Ok(())
+    })
+}

@@ -1,0 +1,201 @@
+//! `recall episode run|label|render`: CausalCache over recorded episodes.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::Subcommand;
+use recall::agent::causalcache::TwoPassConfig;
+use recall::agent::causalcache::{make_policy, run_episode, steps_table, utility_labels, PolicyChoice};
+use recall::agent::chart::{write_allocation_chart, AllocationRow};
+use recall::backend::{select, Backend, BackendArgs};
+use recall::memory::episode::Episode;
+use recall::memory::protocol::{render_decision, Protocol};
+use recall::memory::selector::Mode;
+use recall::with_backend;
+
+use super::{load, write_file, ModelArgs};
+
+#[derive(Subcommand)]
+pub enum EpisodeCommand {
+    /// Replay a recorded episode with the two-pass step (history teacher-forced from the record).
+    Run(RunArgs),
+    /// Write utility labels Q(S) (mean log-prob of the recorded response) as JSONL.
+    Label(LabelArgs),
+    /// Write one step's prompt as OpenAI-style messages (images as paths) that `recall logits` accepts.
+    Render(RenderArgs),
+}
+
+#[derive(clap::Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Episode directory (episode.json + screenshots; docs/FORMATS.md).
+    #[arg(long)]
+    episode: PathBuf,
+    /// History screenshots per prompt (B).
+    #[arg(long, default_value_t = 4)]
+    budget: usize,
+    #[command(flatten)]
+    policy: PolicyArgs,
+    /// mobile, desktop or desktop-strict [default: the episode's platform].
+    #[arg(long, value_parser = parse_protocol)]
+    protocol: Option<Protocol>,
+    /// Most generated tokens per pass.
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    /// Decode pass 2 without drafting from the proposal.
+    #[arg(long)]
+    no_draft: bool,
+    /// Also write the per-step reports as JSON.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Also draw the allocation chart (PNG).
+    #[arg(long)]
+    chart: Option<PathBuf>,
+}
+
+/// The allocation policy and the learned selector's options.
+#[derive(clap::Args)]
+pub struct PolicyArgs {
+    /// recent, random, rgb, selector or inverted.
+    #[arg(long, default_value = "recent")]
+    policy: String,
+    /// The learned scorer (safetensors) for selector and inverted.
+    #[arg(long)]
+    selector: Option<PathBuf>,
+    /// Selector composition: paper or reference.
+    #[arg(long, default_value = "paper", value_parser = parse_compose_mode)]
+    mode: Mode,
+    /// Most older events the selector may promote [default: B].
+    #[arg(long)]
+    max_replacements: Option<usize>,
+    /// Seed of the random policy.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+impl PolicyArgs {
+    fn choice(&self) -> PolicyChoice {
+        PolicyChoice {
+            name: self.policy.clone(),
+            selector: self.selector.clone(),
+            mode: self.mode,
+            max_replacements: self.max_replacements,
+            seed: self.seed,
+        }
+    }
+}
+
+#[derive(clap::Args)]
+pub struct LabelArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[arg(long)]
+    episode: PathBuf,
+    /// Budgets of the Recent-B anchors; the largest bounds the beam-teacher sets.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    budgets: Vec<usize>,
+    #[arg(long, value_parser = parse_protocol)]
+    protocol: Option<Protocol>,
+    /// Output JSONL file.
+    #[arg(long)]
+    out: PathBuf,
+}
+
+#[derive(clap::Args)]
+pub struct RenderArgs {
+    #[arg(long)]
+    episode: PathBuf,
+    /// Decision step t (1-based).
+    #[arg(long)]
+    step: usize,
+    /// The allocation S, e.g. 3,7,9,10 (empty for B = 0).
+    #[arg(long, value_delimiter = ',')]
+    allocation: Vec<usize>,
+    #[arg(long, value_parser = parse_protocol)]
+    protocol: Option<Protocol>,
+    #[arg(long)]
+    out: PathBuf,
+    /// Accepted for uniformity with the other commands; rendering computes nothing.
+    #[command(flatten)]
+    backend: BackendArgs,
+}
+
+pub fn parse_protocol(s: &str) -> std::result::Result<Protocol, String> {
+    s.parse().map_err(|e: recall::Error| e.to_string())
+}
+
+fn parse_compose_mode(s: &str) -> std::result::Result<Mode, String> {
+    s.parse().map_err(|e: recall::Error| e.to_string())
+}
+
+pub fn run(command: EpisodeCommand) -> Result<()> {
+    match command {
+        EpisodeCommand::Run(a) => with_backend!(select(a.model.backend.backend)?, be => replay(be, &a)),
+        EpisodeCommand::Label(a) => with_backend!(select(a.model.backend.backend)?, be => label(be, &a)),
+        EpisodeCommand::Render(a) => render(&a),
+    }
+}
+
+fn replay<B: Backend>(be: B, a: &RunArgs) -> Result<()> {
+    let p = load(be, &a.model)?;
+    let ep = Episode::load(&a.episode)?;
+    let mut policy = make_policy(&a.policy.choice())?;
+    let cfg = TwoPassConfig {
+        budget: a.budget,
+        protocol: a.protocol.unwrap_or(Protocol::for_platform(ep.platform)),
+        max_tokens: a.max_tokens,
+        adapter: a.model.request_adapter(),
+        draft: !a.no_draft,
+    };
+    let mut engine = p.engine(a.model.engine_config())?;
+    let reports = run_episode(&mut p.session(&mut engine), &ep, policy.as_mut(), &cfg)?;
+    print!("{}", steps_table(&reports));
+    if let Some(path) = &a.json {
+        write_file(path, serde_json::to_string_pretty(&reports)?)?;
+    }
+    if let Some(path) = &a.chart {
+        let rows: Vec<AllocationRow> = reports
+            .iter()
+            .map(|r| AllocationRow {
+                step: r.t,
+                allocation: r.allocation.clone(),
+                recent: r.recent.clone(),
+            })
+            .collect();
+        write_allocation_chart(&rows, path)?;
+    }
+    Ok(())
+}
+
+fn label<B: Backend>(be: B, a: &LabelArgs) -> Result<()> {
+    let p = load(be, &a.model)?;
+    let ep = Episode::load(&a.episode)?;
+    let protocol = a.protocol.unwrap_or(Protocol::for_platform(ep.platform));
+    let mut engine = p.engine(a.model.engine_config())?;
+    let mut lines = String::new();
+    for t in 1..=ep.len() {
+        for label in utility_labels(&mut p.session(&mut engine), &ep, t, protocol, &a.budgets)? {
+            lines.push_str(&serde_json::to_string(&label)?);
+            lines.push('\n');
+        }
+    }
+    write_file(&a.out, lines)?;
+    let stats = engine.kv_stats();
+    eprintln!(
+        "wrote {} ({} tokens reused from the prefix cache, {} computed)",
+        a.out.display(),
+        stats.tokens_reused,
+        stats.tokens_computed
+    );
+    Ok(())
+}
+
+fn render(a: &RenderArgs) -> Result<()> {
+    select(a.backend.backend)?;
+    let ep = Episode::load(&a.episode)?;
+    let protocol = a.protocol.unwrap_or(Protocol::for_platform(ep.platform));
+    let messages = render_decision(protocol, &ep.decision(a.step)?, &a.allocation)?;
+    let json = recall::tokenize::chat::messages_to_json(&messages);
+    write_file(&a.out, serde_json::to_string_pretty(&json)?)
+}

@@ -1,0 +1,114 @@
+//! `recall scopemem run` and `recall eval`: ScopeMem and the actor over step-level datasets.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::Subcommand;
+use recall::agent::dataset::StepDataset;
+use recall::agent::eval::{evaluate, BootstrapConfig, StepOutcome};
+use recall::agent::scopemem::{run_dataset, DatasetResult, Placement, ScopeMemConfig};
+use recall::backend::{select, Backend};
+use recall::model::scopemem::ScopeMemEncoder;
+use recall::with_backend;
+
+use super::{load, write_file, ModelArgs};
+
+#[derive(Subcommand)]
+pub enum ScopememCommand {
+    /// Run ScopeMem over a dataset (or some of its lines) and print both opinions, p0 and H0 per step.
+    Run(DatasetRunArgs),
+}
+
+/// A model, a dataset and the ScopeMem settings.
+#[derive(clap::Args)]
+pub struct DatasetRunArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Step-level dataset (JSONL; docs/EVAL.md).
+    #[arg(long)]
+    dataset: PathBuf,
+    /// ScopeMem encoder directory (scopemem_config.json + scopemem.safetensors); without it the
+    /// actor answers once.
+    #[arg(long)]
+    encoder: Option<PathBuf>,
+    /// prepend (the paper) or append (before the assistant turn; needs its own training).
+    #[arg(long, default_value = "prepend", value_parser = parse_placement)]
+    placement: Placement,
+    /// Most generated tokens per opinion.
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    /// Only these dataset lines (1-based), e.g. 3 or 3,7.
+    #[arg(long, value_delimiter = ',')]
+    lines: Vec<usize>,
+}
+
+#[derive(clap::Args)]
+pub struct EvalArgs {
+    #[command(flatten)]
+    run: DatasetRunArgs,
+    /// Bootstrap resamples for the 95% intervals (0: none).
+    #[arg(long, default_value_t = 1000)]
+    bootstrap: usize,
+    /// Write the report as JSON.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Write the report as Markdown.
+    #[arg(long)]
+    markdown: Option<PathBuf>,
+}
+
+pub fn parse_placement(s: &str) -> std::result::Result<Placement, String> {
+    s.parse().map_err(|e: recall::Error| e.to_string())
+}
+
+/// Loads the model, dataset and encoder and runs them.
+fn run_dataset_args(a: &DatasetRunArgs) -> Result<(StepDataset, Vec<DatasetResult>)> {
+    with_backend!(select(a.model.backend.backend)?, be => run_on(be, a))
+}
+
+fn run_on<B: Backend>(be: B, a: &DatasetRunArgs) -> Result<(StepDataset, Vec<DatasetResult>)> {
+    let p = load(be, &a.model)?;
+    let dataset = StepDataset::load(&a.dataset)?;
+    let encoder = a.encoder.as_deref().map(ScopeMemEncoder::load).transpose()?;
+    let cfg = ScopeMemConfig {
+        placement: a.placement,
+        max_tokens: a.max_tokens,
+        draft: true,
+    };
+    let mut engine = p.engine(a.model.engine_config())?;
+    let lines = (!a.lines.is_empty()).then_some(a.lines.as_slice());
+    let mut s = p.session(&mut engine);
+    let results = run_dataset(&mut s, encoder.as_ref(), &dataset, lines, &cfg)?;
+    Ok((dataset, results))
+}
+
+pub fn run(command: ScopememCommand) -> Result<()> {
+    match command {
+        ScopememCommand::Run(a) => {
+            let (_, results) = run_dataset_args(&a)?;
+            for r in &results {
+                println!("{}", serde_json::to_string(r)?);
+            }
+            Ok(())
+        }
+    }
+}
+
+pub fn eval(a: EvalArgs) -> Result<()> {
+    let (dataset, results) = run_dataset_args(&a.run)?;
+    let outcomes: Vec<StepOutcome> = results.into_iter().map(|r| r.outcome).collect();
+    let boot = BootstrapConfig {
+        resamples: a.bootstrap,
+        ..BootstrapConfig::default()
+    };
+    let report = evaluate(&outcomes, dataset.platform, boot)?;
+    if let Some(path) = &a.json {
+        write_file(path, report.to_json())?;
+    }
+    let md = report.to_markdown();
+    if let Some(path) = &a.markdown {
+        write_file(path, &md)?;
+    }
+    print!("{md}");
+    Ok(())
+}
