@@ -109,7 +109,7 @@ pub struct RenderArgs {
     /// Decision step t (1-based).
     #[arg(long)]
     step: usize,
-    /// The allocation S, e.g. 3,7,9,10 (empty for B = 0).
+    /// The allocation S, e.g. 3,7,9,10 (omit it for the empty allocation).
     #[arg(long, value_delimiter = ',')]
     allocation: Vec<usize>,
     #[arg(long, value_parser = parse_protocol)]

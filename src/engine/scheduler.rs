@@ -1,10 +1,11 @@
 //! The scheduler: which sequences take part in the next forward (after nano-vllm's `Scheduler`).
 //!
 //! * Admission: waiting requests enter in arrival order while the pool has blocks for their whole
-//!   prompt; their longest cached prefix is reused (never ending inside an image). While others
-//!   run, a request is admitted only if it leaves one free block per running sequence, so that
-//!   admitting it does not immediately force a preemption. A request that cannot fit even into an
-//!   otherwise empty pool fails at once with [`Error::KvCacheFull`].
+//!   prompt; their longest cached prefix is reused (never ending inside an image). A request whose
+//!   prefix a running request is still computing waits for it, then reuses it. While others run, a
+//!   request is admitted only if it leaves one free block per running sequence, so that admitting
+//!   it does not immediately force a preemption. A request that cannot fit even into an otherwise
+//!   empty pool fails at once with [`Error::KvCacheFull`].
 //! * Decode first: every running generation with a token waiting for its K/V gets one row and a KV
 //!   slot for it. When the pool runs out, the youngest running sequence is preempted: it gives its
 //!   blocks back (the registered ones stay in the prefix cache) and goes to the front of the queue,
@@ -64,7 +65,12 @@ impl<T> Scheduler<T> {
     /// (a warm-up whose prefix was all cached) or can never fit.
     pub fn admit(&mut self, blocks: &mut KvBlockManager) -> Vec<(Sequence<T>, Outcome)> {
         let mut finished = Vec::new();
+        let mut deferred = Vec::new();
         while let Some(mut seq) = self.waiting.pop_front() {
+            if self.prefix_caching && self.prefix_in_flight(&seq, blocks.block_size()) {
+                deferred.push(seq);
+                continue;
+            }
             let limit = if self.prefix_caching { seq.reuse_limit() } else { 0 };
             let allowed = |r: usize| seq.clamp_reuse(r.min(limit));
             let keep_free = self.running.len();
@@ -91,7 +97,30 @@ impl<T> Scheduler<T> {
                 Err(e) => finished.push((seq, Outcome::Failed(e.to_string()))),
             }
         }
+        // Deferred requests keep their place at the head of the queue.
+        for seq in deferred.into_iter().rev() {
+            self.waiting.push_front(seq);
+        }
         finished
+    }
+
+    /// Whether a running sequence is still computing a full block that `seq` shares with it: `seq`
+    /// then waits, so that it reuses those blocks from the prefix cache instead of computing them
+    /// again (requests that arrive together with a long common prefix compute it once).
+    fn prefix_in_flight(&self, seq: &Sequence<T>, block_size: usize) -> bool {
+        self.running.iter().any(|r| {
+            if r.salt != seq.salt || r.computed >= r.prompt_len {
+                return false;
+            }
+            let common = r
+                .keys
+                .iter()
+                .zip(&seq.keys)
+                .take(seq.reuse_limit())
+                .take_while(|(a, b)| a == b)
+                .count();
+            seq.clamp_reuse(common / block_size * block_size) / block_size * block_size > r.computed
+        })
     }
 
     /// The next forward's work: a KV slot and one row for every generation with a pending token

@@ -830,9 +830,17 @@ mod tests {
         let before = (kv.stats(), kv.pool.lru_order(), kv.seqs.len());
         // Reuses both cached blocks, then needs 2 fresh: only 1 left once the hits are revived.
         let long = [keys.clone(), texts(4..8)].concat();
-        let err = kv.allocate(&long, 0, 7).unwrap_err().to_string();
+        let err = kv.allocate(&long, 0, 7).unwrap_err();
         assert!(
-            err.contains("2 blocks needed") && err.contains("1 available"),
+            matches!(
+                err,
+                Error::KvCacheFull {
+                    needed: 2,
+                    available: 1,
+                    total: 4,
+                    ..
+                }
+            ),
             "{err}"
         );
         assert_eq!((kv.stats(), kv.pool.lru_order(), kv.seqs.len()), before);

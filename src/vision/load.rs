@@ -231,6 +231,13 @@ pub const DEFAULT_MAX_PIXELS: u64 = 178_956_970;
 /// ```
 pub fn decode_image_limited(data: &[u8], name: &str, max_pixels: u64) -> Result<RgbImage> {
     let format = sniff(data, name)?;
+    if let Some((w, h)) = header_dimensions(data, format) {
+        if u64::from(w) * u64::from(h) > max_pixels {
+            return Err(Error::InvalidRequest(format!(
+                "{name}: image of {w}x{h} pixels exceeds the limit of {max_pixels} pixels"
+            )));
+        }
+    }
     let corrupt =
         |e: image::ImageError| Error::InvalidRequest(format!("{name}: cannot decode {format:?} image: {e}"));
     let mut decoder = ImageReader::with_format(Cursor::new(data), format)
@@ -264,6 +271,47 @@ pub fn decode_image_limited(data: &[u8], name: &str, max_pixels: u64) -> Result<
         )));
     }
     Ok(to_rgb8(img))
+}
+
+/// The width and height a PNG, JPEG or WebP file declares, read from its first bytes (`None` when
+/// the header is cut short or unusual; the decoder then checks again).
+fn header_dimensions(data: &[u8], format: ImageFormat) -> Option<(u32, u32)> {
+    let be32 = |i: usize| Some(u32::from_be_bytes(data.get(i..i + 4)?.try_into().ok()?));
+    let be16 = |i: usize| Some(u16::from_be_bytes(data.get(i..i + 2)?.try_into().ok()?) as u32);
+    let le16 = |i: usize| Some(u16::from_le_bytes(data.get(i..i + 2)?.try_into().ok()?) as u32);
+    let le24 = |i: usize| {
+        let b = data.get(i..i + 3)?;
+        Some(u32::from(b[0]) | u32::from(b[1]) << 8 | u32::from(b[2]) << 16)
+    };
+    match format {
+        ImageFormat::Png if data.get(12..16) == Some(b"IHDR") => Some((be32(16)?, be32(20)?)),
+        ImageFormat::Jpeg => {
+            // Walk the marker segments to the first start-of-frame.
+            let mut i = 2;
+            while i + 9 < data.len() {
+                if data[i] != 0xFF {
+                    return None;
+                }
+                let marker = data[i + 1];
+                let is_sof = (0xC0..=0xCF).contains(&marker) && !matches!(marker, 0xC4 | 0xC8 | 0xCC);
+                if is_sof {
+                    return Some((be16(i + 7)?, be16(i + 5)?));
+                }
+                i += 2 + be16(i + 2)? as usize;
+            }
+            None
+        }
+        ImageFormat::WebP => match data.get(12..16)? {
+            b"VP8 " => Some((le16(26)? & 0x3FFF, le16(28)? & 0x3FFF)),
+            b"VP8L" => {
+                let bits = u32::from_le_bytes(data.get(21..25)?.try_into().ok()?);
+                Some(((bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1))
+            }
+            b"VP8X" => Some((le24(24)? + 1, le24(27)? + 1)),
+            _ => None,
+        },
+        _ => None,
+    }
 }
 
 /// Any color type to RGB8: drop alpha, replicate gray, 16-bit -> high byte, float -> clamp(round(255 v)).
@@ -302,6 +350,33 @@ fn to_rgb8(img: DynamicImage) -> RgbImage {
                 let p = f.get_pixel(x, y).0;
                 image::Rgb(p.map(|v| (v * 255.0).round().clamp(0.0, 255.0) as u8))
             })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_dimensions_match_the_decoded_images() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+        for name in [
+            "images/photo_96x64.jpg",
+            "images/exif_rot6_48x32.jpg",
+            "images/lossless_80x60.webp",
+            "images/lossy_80x60.webp",
+            "images/rgba_64x48.png",
+            "vl-images/portrait.jpg",
+            "vl-images/square.webp",
+        ] {
+            let data = std::fs::read(dir.join(name)).unwrap();
+            let format = sniff(&data, name).unwrap();
+            let declared = header_dimensions(&data, format).unwrap_or_else(|| panic!("{name}"));
+            let decoded = ImageReader::with_format(Cursor::new(&data), format)
+                .into_dimensions()
+                .unwrap();
+            assert_eq!(declared, decoded, "{name}");
         }
     }
 }
