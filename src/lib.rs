@@ -10,6 +10,7 @@ pub mod bench;
 pub mod engine;
 pub mod error;
 pub mod kv;
+pub mod loadgen;
 pub mod memory;
 pub mod model;
 pub mod server;

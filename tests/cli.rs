@@ -11,6 +11,7 @@ fn recall(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_recall"))
         .args(args)
         .env("RUST_LOG", "warn")
+        .env("RECALL_BACKEND", "cpu")
         .output()
         .expect("the recall binary runs")
 }
@@ -425,4 +426,63 @@ fn scopemem_run_and_eval_on_bundled_data() {
     assert!(String::from_utf8_lossy(&o.stdout).contains("ΔAcc"));
     let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!(report["overall"]["counts"]["steps"], 3);
+}
+
+#[test]
+fn every_command_takes_a_backend_and_cuda_without_a_gpu_fails_in_one_line() {
+    if recall::backend::select(recall::backend::BackendChoice::Cuda).is_ok() {
+        eprintln!("SKIP: this machine has a usable GPU");
+        return;
+    }
+    let model = fixture("tiny-qwen3-vl");
+    let m = model.to_str().unwrap();
+    let episode = fixture("episode-sample");
+    let e = episode.to_str().unwrap();
+    let dataset = fixture("eval/aitw_steps.jsonl");
+    let d = dataset.to_str().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let o = out.to_str().unwrap();
+    let commands: Vec<Vec<&str>> = vec![
+        vec!["generate", "--model", m, "--prompt", "x"],
+        vec!["logits", "--model", m, "--messages", "m.json", "--out", o],
+        vec!["score", "--model", m, "--messages", "m.json", "--target", "x"],
+        vec!["episode", "run", "--model", m, "--episode", e],
+        vec!["episode", "label", "--model", m, "--episode", e, "--out", o],
+        vec!["episode", "render", "--episode", e, "--step", "2", "--out", o],
+        vec!["scopemem", "run", "--model", m, "--dataset", d],
+        vec!["eval", "--model", m, "--dataset", d],
+        vec!["demo", "--chart", o],
+        vec!["serve", "--model", m, "--port", "0"],
+        vec!["bench", "--tiny", "--config-dir", m],
+    ];
+    for args in commands {
+        let mut with_cuda = args.clone();
+        with_cuda.extend(["--backend", "cuda"]);
+        let out = recall(&with_cuda);
+        let err = stderr(&out);
+        assert!(!out.status.success(), "{args:?} --backend cuda should fail here");
+        let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error:")).collect();
+        assert_eq!(errors.len(), 1, "{args:?}: {err}");
+        assert!(errors[0].contains("no usable GPU"), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+    // auto falls back to the CPU and says so.
+    let o = Command::new(env!("CARGO_BIN_EXE_recall"))
+        .args([
+            "generate",
+            "--model",
+            m,
+            "--prompt",
+            "x",
+            "--max-tokens",
+            "2",
+            "--backend",
+            "auto",
+        ])
+        .env("RUST_LOG", "recall=info")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("backend: cpu"), "{}", stderr(&o));
 }

@@ -21,7 +21,14 @@ fn the_official_openai_client_talks_to_recall_serve() {
     };
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let out = Command::new(python)
-        .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tools/tests/test_openai_client.py"])
+        .args([
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tools/tests/test_openai_client.py",
+        ])
         .env("RECALL_BIN", env!("CARGO_BIN_EXE_recall"))
         .current_dir(root)
         .output()

@@ -23,7 +23,7 @@ pub enum BackendChoice {
 #[derive(Debug, Clone, Copy, PartialEq, clap::Args)]
 pub struct BackendArgs {
     /// auto (CUDA when a usable GPU is found, else CPU), cpu or cuda.
-    #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
+    #[arg(long, value_enum, env = "RECALL_BACKEND", default_value_t = BackendChoice::Auto)]
     pub backend: BackendChoice,
     /// On a GPU: the fraction of device memory recall may use in all (weights, activations and the
     /// KV pool, which gets what is left), as vLLM's --gpu-memory-utilization.

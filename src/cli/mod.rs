@@ -5,6 +5,7 @@ mod bench;
 mod chat;
 mod demo;
 mod episode;
+mod loadgen;
 mod scopemem;
 mod serve;
 
@@ -55,6 +56,9 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Serve the model over HTTP: an OpenAI-compatible chat API and the episode API (docs/SERVER.md).
     Serve(serve::ServeCli),
+    /// Drive an OpenAI-compatible server with concurrent agent-shaped clients and report throughput
+    /// and latency (docs/SERVER.md).
+    Loadgen(recall::loadgen::LoadgenArgs),
 }
 
 /// Parses the command line (applying `recall bench --tiny`'s preset) and runs the command.
@@ -69,6 +73,7 @@ pub fn run() -> Result<()> {
         Command::Bench(a) => bench::run(a),
         Command::Demo(a) => demo::run(a),
         Command::Serve(a) => serve::run(a),
+        Command::Loadgen(a) => loadgen::run(a),
     }
 }
 

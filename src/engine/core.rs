@@ -14,7 +14,7 @@ use crate::engine::postprocess::postprocess;
 use crate::engine::prompt::{FlatPrompt, ImageHash, ImageRole, Prompt, Segment};
 use crate::engine::runner::Runner;
 use crate::engine::sampling::{Sampler, Sampling, TokenLogprobs};
-use crate::engine::scheduler::Scheduler;
+use crate::engine::scheduler::{Scheduler, Work};
 use crate::engine::sequence::{Injected, RequestId, Sequence, Task};
 use crate::engine::vision_cache::{VisionCache, VisionEntry};
 use crate::engine::{GenerateParams, Generation, Score};
@@ -439,41 +439,47 @@ impl<'m, B: Backend> Engine<'m, B> {
         let mut done = std::mem::take(&mut self.parked);
         let admitted = self.scheduler.admit(&mut self.blocks);
         let (work, failed) = self.scheduler.schedule(&mut self.blocks);
-        for (s, o) in admitted.into_iter().chain(failed) {
-            done.push(self.finish(s, o));
+        let mut finished: Vec<_> = admitted.into_iter().chain(failed).collect();
+        if !work.is_empty() {
+            self.forwards += 1;
+            let ran = self.runner.run(&work, &self.scheduler.running, &self.blocks);
+            finished.extend(self.postprocess(&work, ran)?);
         }
-        if work.is_empty() {
-            return Ok(done);
-        }
-        self.forwards += 1;
-        let logits = match self.runner.run(&work, &self.scheduler.running, &self.blocks) {
-            Ok(logits) => logits,
-            Err(e) => {
-                // The batch failed as a whole; its sequences fail, the caches stay consistent (nothing
-                // new was marked computed).
-                let mut idx: Vec<usize> = work.iter().map(|w| w.seq).collect();
-                idx.sort_unstable();
-                idx.dedup();
-                for i in idx.into_iter().rev() {
-                    let s = self.scheduler.running.remove(i);
-                    done.push(self.finish(s, Outcome::Failed(e.to_string())));
-                }
-                return Ok(done);
-            }
-        };
-        let mut finished = Vec::new();
-        for (w, l) in work.iter().zip(logits) {
-            let s = &mut self.scheduler.running[w.seq];
-            if let Some(o) = postprocess(self.be, &mut self.blocks, self.tokenizer, s, w, l)? {
-                finished.push((w.seq, o));
-            }
-        }
-        finished.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
-        for (i, o) in finished {
-            let s = self.scheduler.running.remove(i);
-            done.push(self.finish(s, o));
-        }
+        done.extend(finished.into_iter().map(|(s, o)| self.finish(s, o)));
         Ok(done)
+    }
+
+    /// Interprets a forward's logits for every work item and takes the sequences that are done out
+    /// of the running queue. When the forward failed, every sequence in it fails; the caches stay
+    /// consistent (nothing new was marked computed).
+    #[allow(clippy::type_complexity)]
+    fn postprocess(
+        &mut self,
+        work: &[Work],
+        ran: Result<Vec<Option<B::Tensor>>>,
+    ) -> Result<Vec<(Sequence<B::Tensor>, Outcome)>> {
+        let mut outcomes: Vec<(usize, Outcome)> = match ran {
+            Ok(logits) => {
+                let mut out = Vec::new();
+                for (w, l) in work.iter().zip(logits) {
+                    let s = &mut self.scheduler.running[w.seq];
+                    if let Some(o) = postprocess(self.be, &mut self.blocks, self.tokenizer, s, w, l)? {
+                        out.push((w.seq, o));
+                    }
+                }
+                out
+            }
+            Err(e) => work
+                .iter()
+                .map(|w| (w.seq, Outcome::Failed(e.to_string())))
+                .collect(),
+        };
+        outcomes.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
+        outcomes.dedup_by_key(|(i, _)| *i);
+        Ok(outcomes
+            .into_iter()
+            .map(|(i, o)| (self.scheduler.running.remove(i), o))
+            .collect())
     }
 
     /// Steps until every request has finished.
