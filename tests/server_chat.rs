@@ -237,15 +237,7 @@ async fn seeded_sampling_and_streaming() {
     let (_, whole) = server.post("/v1/chat/completions", &req).await;
     req["stream"] = json!(true);
     req["stream_options"] = json!({"include_usage": true});
-    let body = Server::client()
-        .post(format!("{}/v1/chat/completions", server.url))
-        .json(&req)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let body = server.post_text("/v1/chat/completions", &req).await;
     let events: Vec<&str> = body
         .split("\n\n")
         .filter_map(|e| e.trim().strip_prefix("data: "))

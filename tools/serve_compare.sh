@@ -39,25 +39,23 @@ wait_up() { # url pid log
 }
 stop() { kill -TERM "$1" 2>/dev/null || true; wait "$1" 2>/dev/null || true; }
 
-echo "== recall serve ($(nproc) cores)"
-port=8401
-"$recall" serve --model "$dir" --served-model-name "$name" --backend cpu --port $port \
-  > "$out/$name-recall.log" 2>&1 &
-pid=$!
-wait_up "http://127.0.0.1:$port" $pid "$out/$name-recall.log"
-"$recall" loadgen --url "http://127.0.0.1:$port" --model "$name" --label recall \
-  --json "$out/$name-recall.json" "$@" | tee "$out/$name-recall.md"
-stop $pid
-
-echo "== transformers serve --continuous-batching"
-port=8402
-HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$hf" serve "$dir" --continuous-batching --device cpu \
-  --dtype float32 --host 127.0.0.1 --port $port > "$out/$name-transformers.log" 2>&1 &
-pid=$!
-wait_up "http://127.0.0.1:$port" $pid "$out/$name-transformers.log"
-"$recall" loadgen --url "http://127.0.0.1:$port" --model "$dir" --label transformers \
-  --json "$out/$name-transformers.json" "$@" | tee "$out/$name-transformers.md"
-stop $pid
+# run LABEL PORT MODEL_FIELD SERVER_COMMAND...: starts the server, waits for /health, runs the load,
+# stops the server.
+run() {
+  local label=$1 port=$2 field=$3; shift 3
+  echo "== $label"
+  "$@" --port "$port" > "$out/$name-$label.log" 2>&1 &
+  local pid=$!
+  wait_up "http://127.0.0.1:$port" $pid "$out/$name-$label.log"
+  "$recall" loadgen --url "http://127.0.0.1:$port" --model "$field" --label "$label" \
+    --json "$out/$name-$label.json" "${load[@]}" | tee "$out/$name-$label.md"
+  stop $pid
+}
+load=("$@")
+echo "$(nproc) cores"
+run recall 8401 "$name" "$recall" serve --model "$dir" --served-model-name "$name" --backend cpu
+run transformers 8402 "$dir" env HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$hf" serve "$dir" \
+  --continuous-batching --device cpu --dtype float32 --host 127.0.0.1
 
 echo "== $name"
 cat "$out/$name-recall.md"

@@ -20,6 +20,16 @@ pub struct AllocationRow {
     pub recent: Vec<usize>,
 }
 
+impl From<&crate::agent::causalcache::StepReport> for AllocationRow {
+    fn from(r: &crate::agent::causalcache::StepReport) -> Self {
+        AllocationRow {
+            step: r.t,
+            allocation: r.allocation.clone(),
+            recent: r.recent.clone(),
+        }
+    }
+}
+
 const CELL: u32 = 14;
 const GAP: u32 = 2;
 const MARGIN: u32 = 24;

@@ -54,14 +54,7 @@ pub fn run_demo<B: Backend>(
     };
     let mut engine = p.engine(EngineConfig::default())?;
     let reports = run_episode(&mut p.session(&mut engine), &episode, policy.as_mut(), &cfg)?;
-    let rows: Vec<AllocationRow> = reports
-        .iter()
-        .map(|r| AllocationRow {
-            step: r.t,
-            allocation: r.allocation.clone(),
-            recent: r.recent.clone(),
-        })
-        .collect();
+    let rows: Vec<AllocationRow> = reports.iter().map(AllocationRow::from).collect();
     write_allocation_chart(&rows, chart)?;
     Ok(reports)
 }

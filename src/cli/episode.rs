@@ -155,14 +155,7 @@ fn replay<B: Backend>(be: B, a: &RunArgs) -> Result<()> {
         write_file(path, serde_json::to_string_pretty(&reports)?)?;
     }
     if let Some(path) = &a.chart {
-        let rows: Vec<AllocationRow> = reports
-            .iter()
-            .map(|r| AllocationRow {
-                step: r.t,
-                allocation: r.allocation.clone(),
-                recent: r.recent.clone(),
-            })
-            .collect();
+        let rows: Vec<AllocationRow> = reports.iter().map(AllocationRow::from).collect();
         write_allocation_chart(&rows, path)?;
     }
     Ok(())

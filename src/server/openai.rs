@@ -25,7 +25,7 @@ use crate::server::engine_loop::{Event, InflightGuard, PreparedChat, PreparedIma
 use crate::server::error::ApiError;
 use crate::server::media::{image_tokens, SourceMemo};
 use crate::server::AppState;
-use crate::tokenize::chat::{parse_messages_value, ChatMessage, ContentPart};
+use crate::tokenize::chat::{json_kind, parse_messages_value, ChatMessage, ContentPart};
 use crate::tokenize::Tokenizer;
 
 /// The fields of a chat completion request this server reads; others are ignored with a warning.
@@ -117,64 +117,49 @@ impl Fields<'_> {
         self.0.get(key).filter(|v| !v.is_null())
     }
 
-    fn uint(&self, key: &str) -> Result<Option<u64>, ApiError> {
+    /// `obj[key]` through `read`, `None` when absent or null; a value `read` rejects is a 400 saying
+    /// it `must be WHAT`.
+    fn typed<'v, T>(
+        &'v self,
+        key: &str,
+        what: &str,
+        read: impl Fn(&'v Value) -> Option<T>,
+    ) -> Result<Option<T>, ApiError> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v.as_u64().map(Some).ok_or_else(|| {
-                ApiError::bad(key, format!("`{key}` must be a non-negative integer, got {v}"))
-            }),
+            Some(v) => read(v)
+                .map(Some)
+                .ok_or_else(|| ApiError::bad(key, format!("`{key}` must be {what}, got {}", describe(v)))),
         }
+    }
+
+    fn uint(&self, key: &str) -> Result<Option<u64>, ApiError> {
+        self.typed(key, "a non-negative integer", Value::as_u64)
     }
 
     fn int(&self, key: &str) -> Result<Option<i64>, ApiError> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(v) => v
-                .as_i64()
-                .map(Some)
-                .ok_or_else(|| ApiError::bad(key, format!("`{key}` must be an integer, got {v}"))),
-        }
+        self.typed(key, "an integer", Value::as_i64)
     }
 
     fn num(&self, key: &str) -> Result<Option<f64>, ApiError> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(v) => v
-                .as_f64()
-                .map(Some)
-                .ok_or_else(|| ApiError::bad(key, format!("`{key}` must be a number, got {v}"))),
-        }
+        self.typed(key, "a number", Value::as_f64)
     }
 
     fn boolean(&self, key: &str) -> Result<Option<bool>, ApiError> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(v) => v
-                .as_bool()
-                .map(Some)
-                .ok_or_else(|| ApiError::bad(key, format!("`{key}` must be a boolean, got {v}"))),
-        }
+        self.typed(key, "a boolean", Value::as_bool)
     }
 
     fn string(&self, key: &str) -> Result<Option<&str>, ApiError> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(v) => v
-                .as_str()
-                .map(Some)
-                .ok_or_else(|| ApiError::bad(key, format!("`{key}` must be a string, got {}", kind(v)))),
-        }
+        self.typed(key, "a string", Value::as_str)
     }
 }
 
-fn kind(v: &Value) -> &'static str {
+/// A value for an error message: numbers, booleans and short strings as they are, others by kind.
+fn describe(v: &Value) -> String {
     match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
+        Value::Number(_) | Value::Bool(_) => v.to_string(),
+        Value::String(s) if s.len() <= 40 => v.to_string(),
+        other => json_kind(other).to_string(),
     }
 }
 
@@ -186,7 +171,7 @@ pub fn json_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
         Value::Object(m) => Ok(m),
         other => Err(ApiError::invalid(format!(
             "the request body must be a JSON object, got {}",
-            kind(&other)
+            json_kind(&other)
         ))),
     }
 }
@@ -244,7 +229,7 @@ pub fn parse_chat_request(
                 "stop",
                 format!(
                     "`stop` must be a string or an array of strings, got {}",
-                    kind(other)
+                    json_kind(other)
                 ),
             ))
         }
@@ -307,7 +292,7 @@ pub fn parse_chat_request(
         Some(other) => {
             return Err(ApiError::bad(
                 "stream_options",
-                format!("`stream_options` must be an object, got {}", kind(other)),
+                format!("`stream_options` must be an object, got {}", json_kind(other)),
             ))
         }
     };

@@ -433,15 +433,19 @@ fn required_str<'a>(object: &'a Map<String, Value>, key: &str, field: &str, path
 }
 
 fn expected(what: &str, found: &Value) -> String {
-    let kind = match found {
+    format!("expected {what}, found {}", json_kind(found))
+}
+
+/// What kind of JSON value `v` is, for error messages (`a string`, `an array`, ...).
+pub fn json_kind(v: &Value) -> &'static str {
+    match v {
         Value::Null => "null",
         Value::Bool(_) => "a boolean",
         Value::Number(_) => "a number",
         Value::String(_) => "a string",
         Value::Array(_) => "an array",
         Value::Object(_) => "an object",
-    };
-    format!("expected {what}, found {kind}")
+    }
 }
 
 #[cfg(test)]

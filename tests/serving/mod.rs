@@ -88,17 +88,17 @@ impl Server {
         (status, r.json().await.unwrap_or(Value::Null))
     }
 
-    /// POSTs raw bytes as JSON.
-    pub async fn post_raw(&self, path: &str, body: Vec<u8>) -> (StatusCode, Value) {
-        let r = Self::client()
+    /// POSTs a JSON body and returns the reply as text (a stream's events).
+    pub async fn post_text(&self, path: &str, body: &Value) -> String {
+        Self::client()
             .post(format!("{}{path}", self.url))
-            .header("content-type", "application/json")
-            .body(body)
+            .json(body)
             .send()
             .await
-            .unwrap();
-        let status = r.status();
-        (status, r.json().await.unwrap_or(Value::Null))
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
     }
 
     pub async fn get(&self, path: &str) -> (StatusCode, Value) {
