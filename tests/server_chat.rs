@@ -261,3 +261,45 @@ async fn seeded_sampling_and_streaming() {
         whole["choices"][0]["finish_reason"]
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_stops_accepting_finishes_or_cancels_and_exits_zero() {
+    let mut server = Server::start(&["--shutdown-grace", "1"]);
+    let mut req = greedy(json!([{"role": "user", "content": "Tell a long story."}]), 4000);
+    req["stream"] = json!(true);
+    let resp = Server::client()
+        .post(format!("{}/v1/chat/completions", server.url))
+        .json(&req)
+        .send()
+        .await
+        .unwrap();
+    let mut body = resp.bytes_stream();
+    let first = body.next().await.unwrap().unwrap();
+    assert!(first.starts_with(b"data: "));
+    let pid = server.pid().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    // The stream in flight ends properly: finished within the grace period, or cancelled after it
+    // with an error event.
+    let mut rest = Vec::new();
+    while let Some(Ok(bytes)) = body.next().await {
+        rest.extend_from_slice(&bytes);
+    }
+    let rest = String::from_utf8_lossy(&rest);
+    assert!(rest.trim_end().ends_with("data: [DONE]"), "{rest}");
+    assert!(
+        rest.contains("finish_reason\":\"") || rest.contains("cancelled"),
+        "{rest}"
+    );
+    let status = server.wait_exit(std::time::Duration::from_secs(30));
+    assert_eq!(status, Some(0), "{}", server.log.lock().unwrap());
+    // Nothing listens any more.
+    assert!(Server::client()
+        .get(format!("{}/health", server.url))
+        .send()
+        .await
+        .is_err());
+}

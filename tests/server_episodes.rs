@@ -181,3 +181,61 @@ async fn scopemem_episode_closed_loop() {
     }
     check_history(&server, &id, &steps).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn episodes_expire_and_are_capped_in_number_and_bytes() {
+    let shot = std::fs::metadata(screenshot(1)).unwrap().len();
+    let server = Server::start(&[
+        "--episode-ttl",
+        "1",
+        "--max-episodes",
+        "2",
+        "--max-episode-bytes",
+        &(shot + shot / 2).to_string(),
+    ]);
+    let open_body = json!({"instruction": "x", "method": "single", "max_tokens": 2});
+    let open = || server.post("/v1/episodes", &open_body);
+    let (_, a) = open().await;
+    let (_, b) = open().await;
+    let (status, c) = open().await;
+    assert_eq!(status, 429, "{c}");
+    assert!(
+        c["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("limit of 2 episodes"),
+        "{c}"
+    );
+    // One screenshot fits the byte cap, a second does not.
+    let shot_url = data_url(&screenshot(1));
+    let step = |id: String| {
+        let (server, body) = (&server, json!({"image_url": {"url": shot_url.clone()}}));
+        async move { server.post(&format!("/v1/episodes/{id}/steps"), &body).await }
+    };
+    let (status, r) = step(a["id"].as_str().unwrap().to_string()).await;
+    assert_eq!(status, 200, "{r}");
+    let (status, r) = step(b["id"].as_str().unwrap().to_string()).await;
+    assert_eq!(status, 429, "{r}");
+    assert!(
+        r["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("storage is full"),
+        "{r}"
+    );
+    // The refused step left episode b as it was.
+    let (_, got) = server
+        .get(&format!("/v1/episodes/{}", b["id"].as_str().unwrap()))
+        .await;
+    assert_eq!(got["num_steps"], 0);
+    // After the TTL both are gone, their bytes released, and new ones can be opened.
+    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+    let (status, _) = server
+        .get(&format!("/v1/episodes/{}", a["id"].as_str().unwrap()))
+        .await;
+    assert_eq!(status, 404);
+    let (status, d) = open().await;
+    assert_eq!(status, 201, "{d}");
+    let (status, r) = step(d["id"].as_str().unwrap().to_string()).await;
+    assert_eq!(status, 200, "{r}");
+}

@@ -462,3 +462,76 @@ async fn the_api_key_guards_every_route_but_health() {
     let health = client.get(format!("{}/health", server.url)).send().await.unwrap();
     assert_eq!(health.status(), 200);
 }
+
+/// A one-shot HTTP server on the loopback interface: answers every connection with `reply`, or
+/// never answers when `reply` is `None`.
+async fn http_stub(reply: Option<Vec<u8>>) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut sock, _)) = listener.accept().await else {
+                return;
+            };
+            let reply = reply.clone();
+            tokio::spawn(async move {
+                use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                let mut buf = [0u8; 4096];
+                let _ = sock.read(&mut buf).await;
+                match reply {
+                    Some(r) => {
+                        let _ = sock.write_all(&r).await;
+                    }
+                    None => tokio::time::sleep(std::time::Duration::from_secs(30)).await,
+                }
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+fn http_ok(body: &[u8]) -> Vec<u8> {
+    let mut r = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: image/png\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    r.extend_from_slice(body);
+    r
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_images_are_fetched_only_when_allowed_with_a_cap_and_a_timeout() {
+    let png = std::fs::read(fixture("vl-images/screen.png")).unwrap();
+    let good = http_stub(Some(http_ok(&png))).await;
+    let big = http_stub(Some(http_ok(&vec![0u8; 300_000]))).await;
+    let missing = http_stub(Some(
+        b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n".to_vec(),
+    ))
+    .await;
+    let silent = http_stub(None).await;
+    let server = Server::start(&[
+        "--allow-remote-media",
+        "--max-image-bytes",
+        "200000",
+        "--media-timeout",
+        "1",
+    ]);
+    let (status, body) = server
+        .post(
+            "/v1/chat/completions",
+            &chat_with_image(&format!("{good}/screen.png")),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    for (url, code, needle) in [
+        (format!("{big}/big.png"), 413, "exceeds the limit of 200000 bytes"),
+        (format!("{missing}/gone.png"), 400, "HTTP 404"),
+        (format!("{silent}/slow.png"), 400, "timed out"),
+    ] {
+        let (status, body) = server.post("/v1/chat/completions", &chat_with_image(&url)).await;
+        assert_eq!(status.as_u16(), code, "{url}: {body}");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(message.contains(needle), "{url}: {message}");
+    }
+}
