@@ -216,7 +216,7 @@ impl Run {
             }
             Err(_) => {
                 assert!(
-                    n % BLOCK_SIZE == 0 && self.kv.available_blocks() == 0,
+                    n.is_multiple_of(BLOCK_SIZE) && self.kv.available_blocks() == 0,
                     "spurious append failure"
                 );
                 assert_eq!(self.kv.num_tokens(l.seq), n);

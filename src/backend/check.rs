@@ -22,7 +22,7 @@ pub(crate) fn paged_attention(
     let rows: usize = seqs.iter().map(|x| x.rows).sum();
     let ok = s.kv_heads > 0
         && s.block_size > 0
-        && s.q_heads % s.kv_heads == 0
+        && s.q_heads.is_multiple_of(s.kv_heads)
         && q.1 == s.q_heads * s.head_dim
         && k.1 == s.kv_heads * s.head_dim
         && k == v
@@ -104,7 +104,7 @@ pub(crate) fn attention_segments(
     if q != k
         || q != v
         || heads == 0
-        || q.1 % heads != 0
+        || !q.1.is_multiple_of(heads)
         || cu_seqlens.first() != Some(&0)
         || cu_seqlens.last() != Some(&q.0)
         || !monotone
@@ -152,7 +152,7 @@ pub(crate) fn weighted_embedding(
     let vocab = *table_shape.first().unwrap_or(&0);
     if taps == 0
         || indices.len() != weights.len()
-        || indices.len() % taps != 0
+        || !indices.len().is_multiple_of(taps)
         || indices.iter().any(|&i| i as usize >= vocab)
     {
         return Err(shape_err(

@@ -55,6 +55,14 @@ pub trait Backend: Send + Sync {
     /// The shape of a loaded weight.
     fn weight_shape<'w>(&self, weight: &'w Self::Weight) -> &'w [usize];
 
+    /// Readies a weight for [`linear`](Backend::linear) ahead of the first forward (the CPU backend
+    /// packs it into its GEMM panels; weights it cannot tell are linear at load, such as tied
+    /// embeddings used as the `lm_head`, come through here). The default does nothing.
+    fn prepare_linear(&self, weight: &Self::Weight) -> Result<()> {
+        let _ = weight;
+        Ok(())
+    }
+
     /// Copies host data into a new `[rows, cols]` tensor.
     fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Result<Self::Tensor>;
     /// Copies a tensor back to the host, row-major.
@@ -265,7 +273,7 @@ pub struct PagedSeq<'a> {
 }
 
 /// Time spent in one op (or kernel) while profiling.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct OpTime {
     /// Op or kernel name, e.g. `linear`, `paged_attention_v1`.
     pub op: String,
@@ -273,6 +281,9 @@ pub struct OpTime {
     pub calls: usize,
     /// Total seconds.
     pub seconds: f64,
+    /// Floating-point operations done, where the backend counts them (0 otherwise): `seconds` and
+    /// `flops` give the op's throughput.
+    pub flops: f64,
 }
 
 /// What identifies a replayable forward step: the number of rows and a caller tag (e.g. the model).

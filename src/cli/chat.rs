@@ -25,9 +25,13 @@ pub struct GenerateArgs {
     /// Stop once the output contains this string (repeatable).
     #[arg(long)]
     stop: Vec<String>,
-    /// Print the result as JSON (tokens, text, finish reason).
+    /// Print the result as JSON (tokens, text, finish reason, timings).
     #[arg(long)]
     json: bool,
+    /// Also time every op of the prefill and of the decode steps (a table on stderr; with --json,
+    /// in the JSON too).
+    #[arg(long)]
+    profile: bool,
 }
 
 #[derive(clap::Args)]
@@ -70,22 +74,64 @@ fn generate_on<B: Backend>(be: B, a: &GenerateArgs) -> Result<()> {
         None => vec![ChatMessage::text("user", a.prompt.clone().unwrap_or_default())],
     };
     let start = std::time::Instant::now();
-    let (input, out) = p.generate_chat(&messages, a.max_tokens, &a.stop)?;
+    let (input, out, stats) = p.generate_chat_timed(&messages, a.max_tokens, &a.stop, a.profile)?;
     let secs = start.elapsed().as_secs_f64();
     let prompt_tokens = input.ids.len();
-    tracing::info!(prompt_tokens, new_tokens = out.tokens.len(), secs, "generated");
+    tracing::info!(
+        prompt_tokens,
+        new_tokens = out.tokens.len(),
+        secs,
+        prefill_s = stats.prefill_seconds,
+        vision_s = input.vision_seconds,
+        "generated"
+    );
+    if a.profile {
+        eprint!("{}", ops_table("prefill", &stats.prefill_ops));
+        eprint!("{}", ops_table("decode", &stats.decode_ops));
+    }
     if a.json {
         let v = serde_json::json!({
             "prompt_tokens": prompt_tokens,
             "tokens": out.tokens,
             "text": out.text,
             "finish_reason": format!("{:?}", out.finish),
+            "backend": p.backend.describe(),
+            "timings": {
+                "vision_seconds": input.vision_seconds,
+                "prefill_seconds": stats.prefill_seconds,
+                "decode_seconds": stats.decode_seconds,
+                "decode_steps": stats.decode_steps,
+            },
+            "prefill_ops": stats.prefill_ops,
+            "decode_ops": stats.decode_ops,
         });
         println!("{v}");
     } else {
         println!("{}", out.text.unwrap_or_default());
     }
     Ok(())
+}
+
+/// A per-op table: calls, seconds, share, and GFLOP/s where the backend counts FLOPs.
+fn ops_table(phase: &str, ops: &[recall::backend::OpTime]) -> String {
+    let total: f64 = ops.iter().map(|o| o.seconds).sum();
+    let mut s =
+        format!("{phase}: {total:.3} s in ops\n  op                     calls    seconds  share  GFLOP/s\n");
+    for o in ops {
+        let rate = if o.flops > 0.0 {
+            format!("{:8.1}", o.flops / o.seconds.max(1e-12) / 1e9)
+        } else {
+            "       -".to_string()
+        };
+        s.push_str(&format!(
+            "  {:<22} {:>5} {:>10.4} {:>5.1}% {rate}\n",
+            o.op,
+            o.calls,
+            o.seconds,
+            100.0 * o.seconds / total.max(1e-12)
+        ));
+    }
+    s
 }
 
 pub fn logits(a: LogitsArgs) -> Result<()> {

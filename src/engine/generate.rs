@@ -1,7 +1,7 @@
 //! Greedy generation: prefill the prompt, then decode one token at a time until an end-of-sequence id,
 //! a stop string or the token limit.
 
-use crate::backend::Backend;
+use crate::backend::{Backend, OpTime};
 use crate::engine::PromptInput;
 use crate::error::{Error, Result};
 use crate::model::{LogitsFor, TextModel};
@@ -57,6 +57,31 @@ pub fn generate<B: Backend>(
     params: &GenerateParams,
     tokenizer: Option<&Tokenizer>,
 ) -> Result<Generation> {
+    Ok(generate_timed(be, model, prompt, params, tokenizer, false)?.0)
+}
+
+/// Where the time of a generation went.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct GenerationStats {
+    /// The forward over the prompt (to the first token), seconds.
+    pub prefill_seconds: f64,
+    /// The forwards after it, seconds, and how many.
+    pub decode_seconds: f64,
+    pub decode_steps: usize,
+    /// With profiling: each phase op by op (slowest first).
+    pub prefill_ops: Vec<OpTime>,
+    pub decode_ops: Vec<OpTime>,
+}
+
+/// [`generate`], timed (and with `profile`, op by op: the backend's [`Backend::set_profiling`]).
+pub fn generate_timed<B: Backend>(
+    be: &B,
+    model: &TextModel<B>,
+    prompt: &PromptInput<B::Tensor>,
+    params: &GenerateParams,
+    tokenizer: Option<&Tokenizer>,
+    profile: bool,
+) -> Result<(Generation, GenerationStats)> {
     if prompt.ids.is_empty() {
         return Err(Error::InvalidRequest("the prompt is empty".into()));
     }
@@ -73,10 +98,13 @@ pub fn generate<B: Backend>(
     }
     let mut cache = model.new_cache(be, needed)?;
     let mut tokens: Vec<u32> = Vec::new();
+    let mut stats = GenerationStats::default();
+    be.set_profiling(profile);
     let finish = loop {
         if params.max_tokens == 0 {
             break FinishReason::Length;
         }
+        let clock = std::time::Instant::now();
         let out = match tokens.last() {
             None => {
                 let (ids, pos, visual) = (&prompt.ids, &prompt.positions, prompt.visual.as_ref());
@@ -90,12 +118,24 @@ pub fn generate<B: Backend>(
             }
         };
         tokens.push(be.argmax(&out.logits)?[0]);
+        let seconds = clock.elapsed().as_secs_f64();
+        if tokens.len() == 1 {
+            stats.prefill_seconds = seconds;
+            stats.prefill_ops = be.take_profile()?;
+        } else {
+            stats.decode_seconds += seconds;
+            stats.decode_steps += 1;
+        }
         if let Some(finish) = finish_reason(params, &tokens, tokenizer)? {
             break finish;
         }
     };
+    if profile {
+        be.set_profiling(false);
+        stats.decode_ops = be.take_profile()?;
+    }
     let text = tokenizer.map(|t| t.decode(&tokens)).transpose()?;
-    Ok(Generation { tokens, text, finish })
+    Ok((Generation { tokens, text, finish }, stats))
 }
 
 /// Why generation ends with the last of `tokens` (just produced), if it does: an end-of-sequence

@@ -16,6 +16,8 @@ pub struct PromptInput<T> {
     pub history_rows: Vec<usize>,
     /// Where the loaded adapter acts for this prompt.
     pub adapter: AdapterMode,
+    /// Seconds the vision tower took on the prompt's images (0 without images).
+    pub vision_seconds: f64,
 }
 
 impl<T> PromptInput<T> {
@@ -33,6 +35,7 @@ impl<T> PromptInput<T> {
             next_position: ids.len() as i64,
             history_rows: Vec::new(),
             adapter: AdapterMode::Off,
+            vision_seconds: 0.0,
         }
     }
 

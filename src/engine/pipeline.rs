@@ -4,6 +4,7 @@
 use std::path::Path;
 
 use crate::backend::Backend;
+use crate::engine::generate::{generate_timed, GenerationStats};
 use crate::engine::prompt::{ImageHash, ImageRole, Prompt, Segment};
 use crate::engine::session::LocalSession;
 use crate::engine::{generate, score, Engine, EngineConfig, GenerateParams, Generation, PromptInput, Score};
@@ -166,7 +167,10 @@ impl<B: Backend> Pipeline<B> {
         let data: Vec<f32> = images.iter().flat_map(|p| p.data.iter().copied()).collect();
         let grids: Vec<GridThw> = images.iter().map(|p| p.grid_thw).collect();
         let pixels = self.backend.upload(&data, data.len() / patch_dim, patch_dim)?;
+        let clock = std::time::Instant::now();
         let out = vision.forward(&self.backend, &pixels, &grids)?;
+        self.backend.synchronize()?;
+        let vision_seconds = clock.elapsed().as_secs_f64();
         Ok(PromptInput {
             ids: expanded,
             positions,
@@ -178,6 +182,7 @@ impl<B: Backend> Pipeline<B> {
             next_position,
             history_rows,
             adapter: self.adapter_mode,
+            vision_seconds,
         })
     }
 
@@ -306,6 +311,32 @@ impl<B: Backend> Pipeline<B> {
         let prompt = self.prepare(messages, true)?;
         let out = self.generate_input(&prompt, max_tokens, stop_strings)?;
         Ok((prompt, out))
+    }
+
+    /// [`generate_chat`](Self::generate_chat), timed: the vision tower (in the prompt), the prefill
+    /// and the decode steps, and with `profile` each phase op by op.
+    pub fn generate_chat_timed(
+        &self,
+        messages: &[ChatMessage],
+        max_tokens: usize,
+        stop_strings: &[String],
+        profile: bool,
+    ) -> Result<(PromptInput<B::Tensor>, Generation, GenerationStats)> {
+        let prompt = self.prepare(messages, true)?;
+        let params = GenerateParams {
+            max_tokens,
+            eos_token_ids: self.eos_token_ids(),
+            stop_strings: stop_strings.to_vec(),
+        };
+        let (out, stats) = generate_timed(
+            &self.backend,
+            &self.model.text,
+            &prompt,
+            &params,
+            Some(&self.tokenizer),
+            profile,
+        )?;
+        Ok((prompt, out, stats))
     }
 
     /// Greedy answer to one user message.

@@ -434,7 +434,7 @@ impl KvBlockManager {
         }
         let kept_blocks = len.div_ceil(bs);
         let tail = &s.block_table[kept_blocks..];
-        let partial = (len % bs != 0).then(|| s.block_table[kept_blocks - 1]);
+        let partial = (!len.is_multiple_of(bs)).then(|| s.block_table[kept_blocks - 1]);
         let needs_fresh = partial.is_some_and(|b| self.pool.ref_count(b) > 1);
         // Releasing a tail block we hold alone makes it available, so only this case can fail.
         if needs_fresh && self.pool.available() == 0 && !tail.iter().any(|&b| self.pool.ref_count(b) == 1) {

@@ -174,7 +174,7 @@ impl ScopeMemConfig {
             max_positions: size("max_positions")?,
             layer_norm_eps: eps,
         };
-        if cfg.d_model % cfg.num_heads != 0 {
+        if !cfg.d_model.is_multiple_of(cfg.num_heads) {
             return Err(err(
                 "num_heads",
                 format!("{} does not divide d_model {}", cfg.num_heads, cfg.d_model),

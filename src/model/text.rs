@@ -221,6 +221,7 @@ impl<B: Backend> TextModel<B> {
             Some(ld.weight("lm_head.weight", &[v, h])?)
         } else {
             tracing::info!("no lm_head.weight: using tied input embeddings");
+            be.prepare_linear(&embed_tokens)?;
             None
         };
         Ok(TextModel {

@@ -103,8 +103,8 @@ impl VisionConfig {
     fn validate(&self, path: &Path) -> Result<()> {
         let bad = |k: &str, msg: String| Err(Error::json(path, format!("vision_config.{k}"), msg));
         if self.num_heads == 0
-            || self.hidden_size % self.num_heads != 0
-            || (self.hidden_size / self.num_heads) % 4 != 0
+            || !self.hidden_size.is_multiple_of(self.num_heads)
+            || !(self.hidden_size / self.num_heads).is_multiple_of(4)
         {
             return bad(
                 "num_heads",

@@ -5,10 +5,13 @@
 //! makes prefix reuse and chunked prefill exact on CPU. Work is spread over threads with rayon, by
 //! output blocks, which does not change any row's order of operations.
 
+pub mod gemm;
 mod ops;
 mod profile;
+#[macro_use]
+mod simd;
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use rayon::prelude::*;
 
@@ -26,11 +29,13 @@ pub struct CpuTensor {
 }
 
 /// A weight on the CPU: a view into the checkpoint's mapping (or an aligned copy when the file's
-/// f32 data is not 4-byte aligned).
+/// f32 data is not 4-byte aligned), and, once `linear` has used it, its GEMM panels (in the
+/// checkpoint's dtype: bf16 and f16 stay half-width).
 #[derive(Debug)]
 pub struct CpuWeight {
     shape: Vec<usize>,
     storage: Storage,
+    packed: OnceLock<gemm::Packed>,
 }
 
 #[derive(Debug)]
@@ -100,6 +105,58 @@ impl CpuWeight {
     fn all<'a>(&'a self, buf: &'a mut Vec<f32>) -> &'a [f32] {
         self.span(0, self.len(), buf)
     }
+
+    fn new(shape: Vec<usize>, storage: Storage) -> Self {
+        CpuWeight {
+            shape,
+            storage,
+            packed: OnceLock::new(),
+        }
+    }
+
+    /// The weight `[n, k]` as GEMM panels, packed on first use (in its stored element type).
+    fn packed(&self) -> &gemm::Packed {
+        self.packed.get_or_init(|| {
+            let (n, k) = (self.shape[0], self.row_len());
+            let elem = match &self.storage {
+                Storage::Owned(_)
+                | Storage::Mapped {
+                    dtype: Dtype::F32, ..
+                } => gemm::Elem::F32,
+                Storage::Mapped {
+                    dtype: Dtype::BF16, ..
+                } => gemm::Elem::Bf16,
+                Storage::Mapped {
+                    dtype: Dtype::F16, ..
+                } => gemm::Elem::F16,
+            };
+            gemm::Packed::new(n, k, elem, |c| self.row_bits(c))
+        })
+    }
+
+    /// Row `c` as stored: f32 values, or the 16-bit patterns of a bf16/f16 weight.
+    fn row_bits(&self, c: usize) -> gemm::RowBits {
+        let k = self.row_len();
+        match &self.storage {
+            Storage::Mapped {
+                dtype: Dtype::BF16 | Dtype::F16,
+                file,
+                range,
+            } => {
+                let bytes = &file.data()[range.clone()][c * k * 2..(c + 1) * k * 2];
+                gemm::RowBits::Half(
+                    bytes
+                        .chunks_exact(2)
+                        .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                        .collect(),
+                )
+            }
+            _ => {
+                let mut buf = Vec::new();
+                gemm::RowBits::F32(self.row(c, &mut buf).to_vec())
+            }
+        }
+    }
 }
 
 /// The CPU backend. Stateless; threads come from rayon's global pool. Profiling
@@ -127,13 +184,14 @@ impl Backend for CpuBackend {
         if let Some((fill, first)) = t.synthetic() {
             let n = t.numel() as u64;
             let data = (0..n).into_par_iter().map(|i| fill.value(first + i)).collect();
-            return Ok(CpuWeight {
-                shape: t.shape.clone(),
-                storage: Storage::Owned(data),
-            });
+            let w = CpuWeight::new(t.shape.clone(), Storage::Owned(data));
+            if t.shape.len() == 2 && !t.name.ends_with("embed_tokens.weight") {
+                w.packed();
+            }
+            return Ok(w);
         }
         let (file, range) = t.mapping();
-        let aligned = file.data()[range.clone()].as_ptr() as usize % 4 == 0;
+        let aligned = (file.data()[range.clone()].as_ptr() as usize).is_multiple_of(4);
         let storage = if t.dtype == Dtype::F32 && !(aligned && cfg!(target_endian = "little")) {
             Storage::Owned(t.to_f32())
         } else {
@@ -143,10 +201,21 @@ impl Backend for CpuBackend {
                 range,
             }
         };
-        Ok(CpuWeight {
-            shape: t.shape.clone(),
-            storage,
-        })
+        let w = CpuWeight::new(t.shape.clone(), storage);
+        // Matrices are packed for the GEMM now rather than at the first forward; embedding tables
+        // are gathered by row and stay as they are (a tied lm_head comes through `prepare_linear`).
+        let is_table = t.name.ends_with("embed_tokens.weight") || t.name.ends_with("pos_embed.weight");
+        if t.shape.len() == 2 && !is_table {
+            w.packed();
+        }
+        Ok(w)
+    }
+
+    fn prepare_linear(&self, w: &CpuWeight) -> Result<()> {
+        if w.shape.len() == 2 {
+            w.packed();
+        }
+        Ok(())
     }
 
     fn weight_shape<'w>(&self, w: &'w CpuWeight) -> &'w [usize] {
@@ -223,15 +292,16 @@ impl Backend for CpuBackend {
     }
 
     fn linear(&self, x: &CpuTensor, w: &CpuWeight, bias: Option<&CpuWeight>) -> Result<CpuTensor> {
-        let _op = profile::start("linear");
+        let mut op = profile::start("linear");
         check::linear(x.cols, &w.shape, bias.map(|b| &b.shape[..]))?;
+        op.flops(2.0 * x.rows as f64 * w.shape[0] as f64 * x.cols as f64);
         Ok(ops::linear(x, w, bias))
     }
 
     fn rms_norm(&self, x: &CpuTensor, weight: &CpuWeight, eps: f32) -> Result<CpuTensor> {
         let _op = profile::start("rms_norm");
         let g = weight.len();
-        if g == 0 || x.cols % g != 0 {
+        if g == 0 || !x.cols.is_multiple_of(g) {
             return Err(shape_err(
                 "rms_norm",
                 format!("{} columns, weight of {g}", x.cols),
@@ -266,9 +336,9 @@ impl Backend for CpuBackend {
         check::same("silu_mul", (gate.rows, gate.cols), (up.rows, up.cols))?;
         let mut out = gate.clone();
         out.data
-            .par_iter_mut()
-            .zip(&up.data)
-            .for_each(|(g, u)| *g = *g / (1.0 + (-*g).exp()) * u);
+            .par_chunks_mut(4096)
+            .zip(up.data.par_chunks(4096))
+            .for_each(|(g, u)| ops::silu_mul(g, u));
         Ok(out)
     }
 
@@ -276,7 +346,7 @@ impl Backend for CpuBackend {
         let _op = profile::start("rope");
         check::same("rope", (cos.rows, cos.cols), (sin.rows, sin.cols))?;
         let d = cos.cols;
-        if cos.rows != x.rows || d == 0 || d % 2 != 0 || x.cols % d != 0 {
+        if cos.rows != x.rows || d == 0 || !d.is_multiple_of(2) || !x.cols.is_multiple_of(d) {
             return Err(shape_err(
                 "rope",
                 format!("x [{}, {}] with tables [{}, {d}]", x.rows, x.cols, cos.rows),
@@ -327,7 +397,7 @@ impl Backend for CpuBackend {
         let _op = profile::start("gelu");
         let mut out = x.clone();
         match kind {
-            Gelu::Tanh => out.data.par_iter_mut().for_each(|v| *v = ops::gelu_tanh(*v)),
+            Gelu::Tanh => out.data.par_chunks_mut(4096).for_each(ops::gelu_tanh_all),
             Gelu::Erf => out.data.par_iter_mut().for_each(|v| *v = ops::gelu_erf(*v)),
         }
         Ok(out)

@@ -2,71 +2,28 @@
 
 use rayon::prelude::*;
 
+use super::simd::{dot, dot4, exp, multiversion, pv_accumulate};
 use super::{CpuTensor, CpuWeight};
 use crate::backend::{AttnShape, PagedSeq};
 
-/// Lanes of the dot-product accumulator: wide enough for the compiler to vectorise, fixed so that
-/// the order of additions never depends on the machine or the batch.
-const LANES: usize = 16;
-
-/// `Σ a[i]·b[i]` with `LANES` partial sums combined pairwise.
-#[inline]
-pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
-    debug_assert_eq!(a.len(), b.len());
-    let mut acc = [0f32; LANES];
-    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for l in 0..LANES {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    for (l, (x, y)) in ra.iter().zip(rb).enumerate() {
-        acc[l] += x * y;
-    }
-    let mut width = LANES;
-    while width > 1 {
-        width /= 2;
-        for l in 0..width {
-            acc[l] += acc[l + width];
-        }
-    }
-    acc[0]
-}
-
-/// Output rows of the weight handled by one task (converted to f32 once, then used for every
-/// input row).
-const OUT_BLOCK: usize = 16;
-
+/// `x · Wᵀ (+ bias)` through the packed GEMM (see `gemm.rs` for its fixed reduction order).
 pub(super) fn linear(x: &CpuTensor, w: &CpuWeight, bias: Option<&CpuWeight>) -> CpuTensor {
-    let (n, out) = (x.rows, w.shape[0]);
+    let packed = w.packed();
     let mut bias_buf = Vec::new();
     let bias = bias.map(|b| b.all(&mut bias_buf));
-    // Computed transposed ([out, n]) so that each task owns a contiguous slice, then transposed back.
-    let mut yt = vec![0f32; out * n];
-    yt.par_chunks_mut(OUT_BLOCK * n.max(1))
-        .enumerate()
-        .for_each(|(blk, chunk)| {
-            let mut buf = Vec::new();
-            for (j, col) in chunk.chunks_mut(n.max(1)).enumerate() {
-                let o = blk * OUT_BLOCK + j;
-                let wrow = w.row(o, &mut buf);
-                let b = bias.map_or(0.0, |b| b[o]);
-                for (r, y) in col.iter_mut().enumerate().take(n) {
-                    *y = dot(&x.data[r * x.cols..(r + 1) * x.cols], wrow) + b;
-                }
-            }
-        });
-    let mut data = vec![0f32; n * out];
-    for o in 0..out {
-        for r in 0..n {
-            data[r * out + o] = yt[o * n + r];
-        }
-    }
+    let mut data = vec![0f32; x.rows * packed.n];
+    super::gemm::gemm(&x.data, x.rows, packed, bias, &mut data);
     CpuTensor {
         data,
-        rows: n,
-        cols: out,
+        rows: x.rows,
+        cols: packed.n,
+    }
+}
+
+multiversion! {
+    /// `g ← silu(g) · u = g / (1 + e^-g) · u`, elementwise.
+    pub(super) fn silu_mul(g: &mut [f32], u: &[f32]) {
+        g.iter_mut().zip(u).for_each(|(g, u)| *g = *g / (1.0 + exp(-*g)) * u);
     }
 }
 
@@ -87,7 +44,11 @@ pub(super) fn rope_head(x: &mut [f32], cos: &[f32], sin: &[f32]) {
     }
 }
 
-/// Causal grouped-query attention over the paged pool; one task per (query row, head).
+/// Query rows per attention task: the keys and values a tile reads are loaded once for all its
+/// rows.
+const QUERY_TILE: usize = 16;
+
+/// Causal grouped-query attention over the paged pool; one task per (tile of query rows, head).
 pub(super) fn paged_attention(
     q: &CpuTensor,
     k: &CpuTensor,
@@ -98,29 +59,114 @@ pub(super) fn paged_attention(
     let d = s.head_dim;
     let group = s.q_heads / s.kv_heads;
     let scale = 1.0 / (d as f32).sqrt();
-    // Per query row: the pool slots it may attend to (its sequence's slots up to its own position).
-    let mut row_slots: Vec<(std::sync::Arc<Vec<usize>>, usize)> = Vec::with_capacity(q.rows);
+    // Per sequence: its pool slots, and its first row in q.
+    let mut tasks = Vec::new();
+    let mut row0 = 0;
     for seq in seqs {
         let slots: Vec<usize> = (0..seq.context_len)
             .map(|t| seq.block_table[t / s.block_size] as usize * s.block_size + t % s.block_size)
             .collect();
         let slots = std::sync::Arc::new(slots);
         let first = seq.context_len - seq.rows;
-        row_slots.extend((0..seq.rows).map(|i| (slots.clone(), first + i + 1)));
+        for t0 in (0..seq.rows).step_by(QUERY_TILE) {
+            let rows = QUERY_TILE.min(seq.rows - t0);
+            // Row i of the tile sees the sequence's first `first + t0 + i + 1` tokens.
+            let visible: Vec<usize> = (0..rows).map(|i| first + t0 + i + 1).collect();
+            for h in 0..s.q_heads {
+                tasks.push(AttnTask {
+                    row0: row0 + t0,
+                    head: h,
+                    kv_col: (h / group) * d,
+                    keys: slots.clone(),
+                    visible: visible.clone(),
+                });
+            }
+        }
+        row0 += seq.rows;
     }
+    run_attention(q, k, v, d, scale, &tasks)
+}
+
+/// One attention task: query rows `row0..row0 + visible.len()` of head `head` (columns
+/// `head · d..`), attending to the first `visible[i]` of `keys` (pool rows; K/V columns `kv_col..`).
+struct AttnTask {
+    row0: usize,
+    head: usize,
+    kv_col: usize,
+    keys: std::sync::Arc<Vec<usize>>,
+    visible: Vec<usize>,
+}
+
+/// Runs attention tasks in parallel and assembles the output `[q.rows, q.cols]`.
+fn run_attention(
+    q: &CpuTensor,
+    k: &CpuTensor,
+    v: &CpuTensor,
+    d: usize,
+    scale: f32,
+    tasks: &[AttnTask],
+) -> CpuTensor {
+    let parts: Vec<Vec<f32>> = tasks
+        .par_iter()
+        .map(|t| attend_tile(q, k, v, d, scale, t))
+        .collect();
     let mut out = vec![0f32; q.rows * q.cols];
-    out.par_chunks_mut(d).enumerate().for_each(|(idx, o)| {
-        let (r, h) = (idx / s.q_heads, idx % s.q_heads);
-        let kvh = h / group;
-        let qv = &q.data[r * q.cols + h * d..r * q.cols + (h + 1) * d];
-        let (slots, visible) = &row_slots[r];
-        attend(qv, k, v, slots[..*visible].iter().copied(), kvh * d, scale, o);
-    });
+    for (t, part) in tasks.iter().zip(parts) {
+        for (i, o) in part.chunks(d).enumerate() {
+            let at = (t.row0 + i) * q.cols + t.head * d;
+            out[at..at + d].copy_from_slice(o);
+        }
+    }
     CpuTensor {
         data: out,
         rows: q.rows,
         cols: q.cols,
     }
+}
+
+multiversion! {
+/// Softmax-weighted sums of `v` rows for a tile of query rows of one head. Each row's arithmetic is
+/// the same as alone and in the same order: its scores `dot(q, k_j) · scale` over its visible keys
+/// in key order, `exp(s - max)`, their sum from the first key on, then `o += (e_j / sum) · v_j` in
+/// key order. Tiling only shares the loads of `k_j` and `v_j` between the rows.
+fn attend_tile(q: &CpuTensor, k: &CpuTensor, v: &CpuTensor, d: usize, scale: f32, t: &AttnTask) -> Vec<f32> {
+    let rows = t.visible.len();
+    let n = t.visible.iter().copied().max().unwrap_or(0);
+    let qrow = |i: usize| {
+        let at = (t.row0 + i) * q.cols + t.head * d;
+        &q.data[at..at + d]
+    };
+    let mut scores = vec![0f32; rows * n];
+    let mut live = Vec::with_capacity(rows);
+    for (j, &key) in t.keys[..n].iter().enumerate() {
+        let kj = &k.data[key * k.cols + t.kv_col..key * k.cols + t.kv_col + d];
+        live.clear();
+        live.extend((0..rows).filter(|&i| j < t.visible[i]));
+        let mut quads = live.chunks_exact(4);
+        for q4 in &mut quads {
+            let s4 = dot4([qrow(q4[0]), qrow(q4[1]), qrow(q4[2]), qrow(q4[3])], kj);
+            for (&i, s) in q4.iter().zip(s4) {
+                scores[i * n + j] = s * scale;
+            }
+        }
+        for &i in quads.remainder() {
+            scores[i * n + j] = dot(qrow(i), kj) * scale;
+        }
+    }
+    let mut sums = vec![0f32; rows];
+    for (i, sum) in sums.iter_mut().enumerate() {
+        let row = &mut scores[i * n..i * n + t.visible[i]];
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        row.iter_mut().for_each(|x| *x = exp(*x - max));
+        *sum = row.iter().sum();
+    }
+    for (i, &sum) in sums.iter().enumerate() {
+        scores[i * n..i * n + t.visible[i]].iter_mut().for_each(|e| *e /= sum);
+    }
+    let mut out = vec![0f32; rows * d];
+    pv_accumulate(&mut out, d, &scores, n, &t.visible, &v.data, v.cols, &t.keys, t.kv_col);
+    out
+}
 }
 
 /// LayerNorm of one row in place (mean and variance in f32, as torch does for f32 input).
@@ -136,10 +182,21 @@ pub(super) fn layer_norm_row(x: &mut [f32], w: &[f32], b: &[f32], eps: f32) {
         .for_each(|(v, (w, b))| *v = *v * r * w + b);
 }
 
-/// `gelu_pytorch_tanh`.
+/// `gelu_pytorch_tanh`, with `tanh(y) = sign(y) · (1 - 2 / (e^{2|y|} + 1))` on [`exp`] (so that it
+/// vectorises).
+#[inline(always)]
 pub(super) fn gelu_tanh(x: f32) -> f32 {
     const K: f32 = 0.797_884_6; // sqrt(2/pi)
-    0.5 * x * (1.0 + (K * (x + 0.044715 * x * x * x)).tanh())
+    let y = K * (x + 0.044715 * x * x * x);
+    let t = 1.0 - 2.0 / (exp(2.0 * y.abs()) + 1.0);
+    0.5 * x * (1.0 + t.copysign(y))
+}
+
+multiversion! {
+    /// [`gelu_tanh`] on every element.
+    pub(super) fn gelu_tanh_all(xs: &mut [f32]) {
+        xs.iter_mut().for_each(|v| *v = gelu_tanh(*v));
+    }
 }
 
 /// Exact GELU, with erf evaluated in f64.
@@ -147,32 +204,7 @@ pub(super) fn gelu_erf(x: f32) -> f32 {
     (0.5 * x as f64 * (1.0 + libm::erf(x as f64 / std::f64::consts::SQRT_2))) as f32
 }
 
-/// Softmax-weighted sum of `v` rows for one query against keys `keys` (row indices), all in one head.
-fn attend(
-    qv: &[f32],
-    k: &CpuTensor,
-    v: &CpuTensor,
-    keys: impl Iterator<Item = usize> + Clone,
-    col: usize,
-    scale: f32,
-    o: &mut [f32],
-) {
-    let d = qv.len();
-    let scores: Vec<f32> = keys
-        .clone()
-        .map(|t| dot(qv, &k.data[t * k.cols + col..t * k.cols + col + d]) * scale)
-        .collect();
-    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let exps: Vec<f32> = scores.iter().map(|&x| (x - max).exp()).collect();
-    let sum: f32 = exps.iter().sum();
-    for (t, e) in keys.zip(&exps) {
-        let p = e / sum;
-        let vv = &v.data[t * v.cols + col..t * v.cols + col + d];
-        o.iter_mut().zip(vv).for_each(|(o, v)| *o += p * v);
-    }
-}
-
-/// Non-causal attention inside each segment of `cu_seqlens`; one task per (row, head).
+/// Non-causal attention inside each segment of `cu_seqlens`; one task per (tile of rows, head).
 pub(super) fn attention_segments(
     q: &CpuTensor,
     k: &CpuTensor,
@@ -182,22 +214,24 @@ pub(super) fn attention_segments(
 ) -> CpuTensor {
     let d = q.cols / heads;
     let scale = 1.0 / (d as f32).sqrt();
-    let mut segment_of = vec![0usize; q.rows];
-    for (s, w) in cu.windows(2).enumerate() {
-        segment_of[w[0]..w[1]].iter_mut().for_each(|x| *x = s);
+    let mut tasks = Vec::new();
+    for w in cu.windows(2) {
+        let (a, b) = (w[0], w[1]);
+        let keys = std::sync::Arc::new((a..b).collect::<Vec<usize>>());
+        for r0 in (a..b).step_by(QUERY_TILE) {
+            let rows = QUERY_TILE.min(b - r0);
+            for h in 0..heads {
+                tasks.push(AttnTask {
+                    row0: r0,
+                    head: h,
+                    kv_col: h * d,
+                    keys: keys.clone(),
+                    visible: vec![b - a; rows],
+                });
+            }
+        }
     }
-    let mut out = vec![0f32; q.rows * q.cols];
-    out.par_chunks_mut(d).enumerate().for_each(|(idx, o)| {
-        let (r, h) = (idx / heads, idx % heads);
-        let s = segment_of[r];
-        let qv = &q.data[r * q.cols + h * d..r * q.cols + (h + 1) * d];
-        attend(qv, k, v, cu[s]..cu[s + 1], h * d, scale, o);
-    });
-    CpuTensor {
-        data: out,
-        rows: q.rows,
-        cols: q.cols,
-    }
+    run_attention(q, k, v, d, scale, &tasks)
 }
 
 /// `log_softmax(row)[t]`, with the normaliser summed in f64.

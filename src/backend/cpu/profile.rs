@@ -23,7 +23,7 @@ struct Profile {
     on: bool,
     /// Timed ops running on this thread (only the outermost one is timed).
     depth: usize,
-    totals: HashMap<&'static str, (usize, Duration)>,
+    totals: HashMap<&'static str, (usize, Duration, f64)>,
 }
 
 impl Drop for Profile {
@@ -61,10 +61,11 @@ pub(super) fn take() -> Vec<OpTime> {
     let totals = PROFILE.with(|p| std::mem::take(&mut p.borrow_mut().totals));
     let mut ops: Vec<OpTime> = totals
         .into_iter()
-        .map(|(op, (calls, time))| OpTime {
+        .map(|(op, (calls, time, flops))| OpTime {
             op: op.to_string(),
             calls,
             seconds: time.as_secs_f64(),
+            flops,
         })
         .collect();
     ops.sort_by(|a, b| b.seconds.total_cmp(&a.seconds).then_with(|| a.op.cmp(&b.op)));
@@ -89,17 +90,27 @@ fn start_profiled(op: &'static str) -> OpTimer {
             return OpTimer(None);
         }
         p.depth += 1;
-        OpTimer(Some((op, (p.depth == 1).then(Instant::now))))
+        OpTimer(Some((op, (p.depth == 1).then(Instant::now), 0.0)))
     })
 }
 
-/// Adds its op's time to the thread's totals when dropped (see [`start`]).
+/// Adds its op's time (and the floating-point operations it reports) to the thread's totals when
+/// dropped (see [`start`]).
 #[must_use = "the op is timed until the guard drops"]
-pub(super) struct OpTimer(Option<(&'static str, Option<Instant>)>);
+pub(super) struct OpTimer(Option<(&'static str, Option<Instant>, f64)>);
+
+impl OpTimer {
+    /// Counts `flops` floating-point operations for this op (when it is being profiled).
+    pub fn flops(&mut self, flops: f64) {
+        if let Some((_, _, f)) = &mut self.0 {
+            *f += flops;
+        }
+    }
+}
 
 impl Drop for OpTimer {
     fn drop(&mut self) {
-        let Some((op, started)) = self.0.take() else {
+        let Some((op, started, flops)) = self.0.take() else {
             return;
         };
         let elapsed = started.map(|s| s.elapsed());
@@ -110,6 +121,7 @@ impl Drop for OpTimer {
                 let entry = p.totals.entry(op).or_default();
                 entry.0 += 1;
                 entry.1 += t;
+                entry.2 += flops;
             }
         });
     }

@@ -43,7 +43,11 @@ params! {
 /// The kernel for a shape, or `None` when v2 does not cover it: head_dim 64 or 128, at most 16 q heads
 /// per kv head (up to 8 on the m8 variant), a block size that is a multiple of 16.
 fn kernel_for(s: AttnShape) -> Option<&'static str> {
-    if s.kv_heads == 0 || s.q_heads % s.kv_heads != 0 || s.block_size == 0 || s.block_size % TILE != 0 {
+    if s.kv_heads == 0
+        || !s.q_heads.is_multiple_of(s.kv_heads)
+        || s.block_size == 0
+        || !s.block_size.is_multiple_of(TILE)
+    {
         return None;
     }
     let group = s.q_heads / s.kv_heads;

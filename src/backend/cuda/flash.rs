@@ -136,7 +136,7 @@ enum Variant {
 
 /// The kernel for `head_dim`: its padded head dim and name, or `None` when no instantiation covers it.
 fn kernel_for(head_dim: usize, variant: Variant) -> Option<(usize, &'static str)> {
-    if head_dim == 0 || head_dim % 8 != 0 || head_dim > MAX_HEAD_DIM {
+    if head_dim == 0 || !head_dim.is_multiple_of(8) || head_dim > MAX_HEAD_DIM {
         return None;
     }
     let padded = head_dim.next_multiple_of(16);

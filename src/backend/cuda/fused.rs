@@ -64,7 +64,12 @@ fn validate(
             ),
         ));
     }
-    if q.rows != n || k.rows != n || q.cols % d != 0 || k.cols % d != 0 || dims(v) != dims(k) {
+    if q.rows != n
+        || k.rows != n
+        || !q.cols.is_multiple_of(d)
+        || !k.cols.is_multiple_of(d)
+        || dims(v) != dims(k)
+    {
         return Err(shape_err(
             OP,
             format!(

@@ -607,7 +607,7 @@ impl CudaBackend {
         eps: f32,
     ) -> Result<CudaTensor> {
         let g = weight.len();
-        if g == 0 || x.cols % g != 0 {
+        if g == 0 || !x.cols.is_multiple_of(g) {
             return Err(shape_err(
                 "rms_norm",
                 format!("{} columns, weight of {g}", x.cols),
@@ -849,7 +849,7 @@ impl Backend for CudaBackend {
     fn rope(&self, x: &CudaTensor, cos: &CudaTensor, sin: &CudaTensor) -> Result<CudaTensor> {
         check::same("rope", (cos.rows, cos.cols), (sin.rows, sin.cols))?;
         let d = cos.cols;
-        if cos.rows != x.rows || d == 0 || d % 2 != 0 || x.cols % d != 0 {
+        if cos.rows != x.rows || d == 0 || !d.is_multiple_of(2) || !x.cols.is_multiple_of(d) {
             return Err(shape_err(
                 "rope",
                 format!("x [{}, {}] with tables [{}, {d}]", x.rows, x.cols, cos.rows),
@@ -1290,6 +1290,7 @@ impl Backend for CudaBackend {
                 op: op.to_string(),
                 calls,
                 seconds,
+                flops: 0.0,
             })
             .collect();
         out.sort_by(|a, b| b.seconds.total_cmp(&a.seconds));

@@ -1,0 +1,609 @@
+//! The CPU GEMM behind `linear`: `y = x · Wᵀ (+ b)` for `x: [m, k]`, `W: [n, k]`.
+//!
+//! **The reduction order is fixed by construction.** Every output element is one sequential fused
+//! multiply-add chain over `k` in increasing order, starting from `0.0`, and the bias is added once
+//! at the end:
+//!
+//! ```text
+//! acc = 0;  for i in 0..k { acc = fma(x[r][i], W[c][i], acc) };  y[r][c] = acc + b[c]
+//! ```
+//!
+//! The kernels vectorise across output columns (16 at a time, a "panel"), never across `k`, and
+//! carry partial sums through memory between blocks of `k` (an f32 stored and reloaded is the same
+//! f32). So the tiling over rows, columns and `k`, the number of threads, how many rows share the
+//! call and the instruction set cannot change a single bit: a row decoded alone equals the same row
+//! in a 4,096-row prefill, on every path — AVX-512F, AVX2 with FMA, NEON, and the portable
+//! `f32::mul_add` loop that defines the result.
+//!
+//! Weights are packed once (on first use) into panels `[n / 16][k][16]`: the 16 weights a step of the
+//! chain needs for 16 columns are contiguous. bf16 and f16 weights stay 16-bit in the panels and are
+//! widened exactly inside the kernel, so decoding reads half the bytes of f32.
+
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+
+/// Output columns per panel (one AVX-512 register of f32).
+pub const NR: usize = 16;
+/// Rows per micro-kernel call.
+const MR: usize = 8;
+/// Panels per micro-kernel call: an `MR × NP` tile of AVX-512 accumulators is 24 of the 32 registers.
+const NP: usize = 3;
+
+/// The accumulators of one micro-kernel call, in memory between calls.
+type TileBuf = [[f32; NP * NR]; MR];
+/// Steps of `k` per block: a block of two panels (`KC · 16 · 2` weights) stays in the L1/L2 cache
+/// while the rows of a chunk pass over it.
+const KC: usize = 1024;
+/// Rows per chunk: `MC · KC` inputs stay in the L2 cache while the panels pass over them.
+const MC: usize = 96;
+
+/// A weight packed into panels.
+pub struct Packed {
+    /// Input width (the reduction length).
+    pub k: usize,
+    /// Output width (columns of `y`).
+    pub n: usize,
+    data: PanelData,
+}
+
+impl std::fmt::Debug for Packed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Packed {{ n: {}, k: {}, bytes: {} }}",
+            self.n,
+            self.k,
+            self.bytes()
+        )
+    }
+}
+
+/// Panel storage, `[ceil(n / 16)][k][16]`; columns past `n` are zero.
+enum PanelData {
+    F32(Vec<f32>),
+    /// bf16 bit patterns.
+    Bf16(Vec<u16>),
+    /// IEEE half bit patterns.
+    F16(Vec<u16>),
+}
+
+/// The element type a weight is kept in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Elem {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl Packed {
+    /// Packs `W: [n, k]`, whose row `c` (as `Elem`) is given by `row(c)` as 32- or 16-bit words.
+    pub fn new(n: usize, k: usize, elem: Elem, row: impl Fn(usize) -> RowBits + Sync) -> Packed {
+        let panels = n.div_ceil(NR);
+        let data = match elem {
+            Elem::F32 => PanelData::F32(pack(panels, n, k, |c| match row(c) {
+                RowBits::F32(v) => v,
+                RowBits::Half(_) => unreachable!("an f32 weight gives f32 rows"),
+            })),
+            Elem::Bf16 | Elem::F16 => {
+                let bits = pack(panels, n, k, |c| match row(c) {
+                    RowBits::Half(v) => v,
+                    RowBits::F32(_) => unreachable!("a 16-bit weight gives 16-bit rows"),
+                });
+                if elem == Elem::Bf16 {
+                    PanelData::Bf16(bits)
+                } else {
+                    PanelData::F16(bits)
+                }
+            }
+        };
+        Packed { k, n, data }
+    }
+
+    /// Bytes the panels take.
+    pub fn bytes(&self) -> usize {
+        match &self.data {
+            PanelData::F32(v) => v.len() * 4,
+            PanelData::Bf16(v) | PanelData::F16(v) => v.len() * 2,
+        }
+    }
+}
+
+/// One row of a weight as stored: f32 values or 16-bit patterns.
+pub enum RowBits {
+    F32(Vec<f32>),
+    Half(Vec<u16>),
+}
+
+fn pack<T: Copy + Default + Send>(
+    panels: usize,
+    n: usize,
+    k: usize,
+    row: impl Fn(usize) -> Vec<T> + Sync,
+) -> Vec<T> {
+    let mut out = vec![T::default(); panels * k * NR];
+    out.par_chunks_mut((k * NR).max(1))
+        .enumerate()
+        .for_each(|(p, panel)| {
+            for j in 0..NR {
+                let c = p * NR + j;
+                if c >= n {
+                    break;
+                }
+                for (i, v) in row(c).into_iter().enumerate() {
+                    panel[i * NR + j] = v;
+                }
+            }
+        });
+    out
+}
+
+/// An instruction set the kernels are written for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    Avx512,
+    Avx2,
+    Neon,
+    Portable,
+}
+
+impl Isa {
+    /// The best instruction set this CPU has (or `RECALL_CPU_KERNEL=avx512|avx2|neon|portable`, when
+    /// the CPU has it).
+    pub fn detect() -> Isa {
+        static ISA: OnceLock<Isa> = OnceLock::new();
+        *ISA.get_or_init(|| {
+            let forced = std::env::var("RECALL_CPU_KERNEL")
+                .ok()
+                .and_then(|v| Isa::named(&v));
+            match forced {
+                Some(isa) if isa.available() => isa,
+                Some(isa) => {
+                    tracing::warn!("RECALL_CPU_KERNEL={isa:?} is not available on this CPU; detecting");
+                    Isa::best()
+                }
+                None => Isa::best(),
+            }
+        })
+    }
+
+    fn best() -> Isa {
+        [Isa::Avx512, Isa::Avx2, Isa::Neon]
+            .into_iter()
+            .find(|i| i.available())
+            .unwrap_or(Isa::Portable)
+    }
+
+    /// `avx512`, `avx2`, `neon` or `portable`.
+    pub fn named(s: &str) -> Option<Isa> {
+        match s {
+            "avx512" => Some(Isa::Avx512),
+            "avx2" => Some(Isa::Avx2),
+            "neon" => Some(Isa::Neon),
+            "portable" => Some(Isa::Portable),
+            _ => None,
+        }
+    }
+
+    /// Whether this CPU can run the path.
+    pub fn available(self) -> bool {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => {
+                std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                    && std::arch::is_x86_feature_detected!("f16c")
+            }
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => std::arch::is_aarch64_feature_detected!("neon"),
+            Isa::Portable => true,
+            #[allow(unreachable_patterns)]
+            _ => false,
+        }
+    }
+}
+
+/// `y[m, n] = x[m, k] · Wᵀ (+ bias)` with the detected instruction set.
+pub fn gemm(x: &[f32], m: usize, w: &Packed, bias: Option<&[f32]>, y: &mut [f32]) {
+    gemm_with(Isa::detect(), x, m, w, bias, y)
+}
+
+/// [`gemm`] on a given instruction set (which must be [`available`](Isa::available)).
+pub fn gemm_with(isa: Isa, x: &[f32], m: usize, w: &Packed, bias: Option<&[f32]>, y: &mut [f32]) {
+    let (k, n) = (w.k, w.n);
+    assert!(isa.available(), "{isa:?} is not available on this CPU");
+    assert_eq!(x.len(), m * k, "x is not [{m}, {k}]");
+    assert_eq!(y.len(), m * n, "y is not [{m}, {n}]");
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        // An empty sum: every element is 0 (+ bias).
+        y.fill(0.0);
+    }
+    let panels = n.div_ceil(NR);
+    // Each task owns a run of panels (two at a time: the kernels' width) for every row; tasks write
+    // disjoint columns of y. The partition depends on the thread count, never the arithmetic.
+    let per_task = panels
+        .div_ceil(rayon::current_num_threads() * 4)
+        .max(1)
+        .next_multiple_of(NP);
+    let y_addr = y.as_mut_ptr() as usize;
+    (0..panels.div_ceil(per_task)).into_par_iter().for_each(|t| {
+        let (p0, p1) = (t * per_task, ((t + 1) * per_task).min(panels));
+        // SAFETY: tasks cover disjoint panel ranges, so they write disjoint columns of `y`, which
+        // outlives the parallel loop.
+        let y = unsafe { std::slice::from_raw_parts_mut(y_addr as *mut f32, m * n) };
+        panel_range(isa, x, m, w, p0, p1, y);
+    });
+    if let Some(b) = bias {
+        for row in y.chunks_mut(n) {
+            row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+        }
+    }
+}
+
+/// Columns of panels `p0..p1` for every row: blocks of `k`; within one, chunks of `MC` rows (kept in
+/// the L2 cache), then groups of `NP` panels (their `KC` steps kept in L1/L2), then tiles of `MR`
+/// rows.
+fn panel_range(isa: Isa, x: &[f32], m: usize, w: &Packed, p0: usize, p1: usize, y: &mut [f32]) {
+    let (k, n) = (w.k, w.n);
+    let mut tile: TileBuf = [[0f32; NP * NR]; MR];
+    for k0 in (0..k).step_by(KC) {
+        let kc = KC.min(k - k0);
+        for m0 in (0..m).step_by(MC) {
+            let m1 = (m0 + MC).min(m);
+            let mut p = p0;
+            while p < p1 {
+                let np = (p1 - p).min(NP);
+                let c0 = p * NR;
+                let cols = (np * NR).min(n - c0);
+                for r0 in (m0..m1).step_by(MR) {
+                    let mr = MR.min(m1 - r0);
+                    // Carry the partial sums of the earlier k blocks (0 for the first).
+                    for (i, t) in tile.iter_mut().enumerate().take(mr) {
+                        t.fill(0.0);
+                        if k0 > 0 {
+                            t[..cols].copy_from_slice(&y[(r0 + i) * n + c0..(r0 + i) * n + c0 + cols]);
+                        }
+                    }
+                    let t = Tile {
+                        x: &x[r0 * k..],
+                        ldx: k,
+                        k0,
+                        kc,
+                        mr,
+                        np,
+                    };
+                    match &w.data {
+                        PanelData::F32(d) => kernel(isa, &t, Weights::F32(&d[p * k * NR..]), k, &mut tile),
+                        PanelData::Bf16(d) => kernel(isa, &t, Weights::Bf16(&d[p * k * NR..]), k, &mut tile),
+                        PanelData::F16(d) => kernel(isa, &t, Weights::F16(&d[p * k * NR..]), k, &mut tile),
+                    }
+                    for (i, t) in tile.iter().enumerate().take(mr) {
+                        y[(r0 + i) * n + c0..(r0 + i) * n + c0 + cols].copy_from_slice(&t[..cols]);
+                    }
+                }
+                p += np;
+            }
+        }
+    }
+}
+
+/// One micro-kernel call: rows `0..mr` of `x` (row stride `ldx`), steps `k0..k0 + kc`, `np`
+/// (`1..=NP`) panels.
+#[derive(Clone, Copy)]
+struct Tile<'a> {
+    x: &'a [f32],
+    ldx: usize,
+    k0: usize,
+    kc: usize,
+    mr: usize,
+    np: usize,
+}
+
+/// The panels of one call, from its first panel on (panels `k · 16` elements apart).
+#[derive(Clone, Copy)]
+enum Weights<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+    F16(&'a [u16]),
+}
+
+impl Weights<'_> {
+    /// Weight `j` of panel `p` at step `kk`, as f32 (exact for every storage type).
+    fn get(self, p: usize, kk: usize, j: usize, k: usize) -> f32 {
+        let i = p * k * NR + kk * NR + j;
+        match self {
+            Weights::F32(d) => d[i],
+            Weights::Bf16(d) => f32::from_bits(u32::from(d[i]) << 16),
+            Weights::F16(d) => half::f16::from_bits(d[i]).to_f32(),
+        }
+    }
+
+    /// Elements this call may read, and in how many bytes each.
+    fn len(self) -> usize {
+        match self {
+            Weights::F32(d) => d.len(),
+            Weights::Bf16(d) | Weights::F16(d) => d.len(),
+        }
+    }
+}
+
+/// `tile[i][p·16 + j] = fma(x[i][kk], W_p[kk][j], tile[i][p·16 + j])` for every step `kk` of the
+/// block, in order.
+fn kernel(isa: Isa, t: &Tile<'_>, w: Weights<'_>, k: usize, tile: &mut TileBuf) {
+    assert!(
+        w.len() >= (t.np - 1) * k * NR + (t.k0 + t.kc) * NR,
+        "panels out of range"
+    );
+    assert!(t.x.len() >= (t.mr - 1) * t.ldx + t.k0 + t.kc, "rows out of range");
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `gemm_with` checked that the CPU has AVX-512F; the bounds are checked above.
+        Isa::Avx512 => unsafe { x86::avx512(t, w, k, tile) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `gemm_with` checked AVX2, FMA and F16C; the bounds are checked above.
+        Isa::Avx2 => unsafe { x86::avx2(t, w, k, tile) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: `gemm_with` checked NEON; the bounds are checked above.
+        Isa::Neon if matches!(w, Weights::F32(_)) => unsafe { arm::neon(t, w, k, tile) },
+        _ => portable(t, w, k, tile),
+    }
+}
+
+/// The defining loop: one `mul_add` per step, in order of `k`.
+fn portable(t: &Tile<'_>, w: Weights<'_>, k: usize, tile: &mut TileBuf) {
+    for (i, row) in tile.iter_mut().enumerate().take(t.mr) {
+        for kk in t.k0..t.k0 + t.kc {
+            let xv = t.x[i * t.ldx + kk];
+            for p in 0..t.np {
+                for j in 0..NR {
+                    row[p * NR + j] = xv.mul_add(w.get(p, kk, j, k), row[p * NR + j]);
+                }
+            }
+        }
+    }
+}
+
+/// Calls `$f::<KIND, R, P>` for the runtime `(mr, np)` of a tile.
+#[cfg(target_arch = "x86_64")]
+macro_rules! dispatch_tile {
+    ($f:ident, $kind:literal, $t:expr, ($($arg:expr),*)) => {
+        match ($t.mr, $t.np) {
+            (8, 3) => $f::<$kind, 8, 3>($($arg),*),
+            (7, 3) => $f::<$kind, 7, 3>($($arg),*),
+            (6, 3) => $f::<$kind, 6, 3>($($arg),*),
+            (5, 3) => $f::<$kind, 5, 3>($($arg),*),
+            (4, 3) => $f::<$kind, 4, 3>($($arg),*),
+            (3, 3) => $f::<$kind, 3, 3>($($arg),*),
+            (2, 3) => $f::<$kind, 2, 3>($($arg),*),
+            (1, 3) => $f::<$kind, 1, 3>($($arg),*),
+            (8, 2) => $f::<$kind, 8, 2>($($arg),*),
+            (7, 2) => $f::<$kind, 7, 2>($($arg),*),
+            (6, 2) => $f::<$kind, 6, 2>($($arg),*),
+            (5, 2) => $f::<$kind, 5, 2>($($arg),*),
+            (4, 2) => $f::<$kind, 4, 2>($($arg),*),
+            (3, 2) => $f::<$kind, 3, 2>($($arg),*),
+            (2, 2) => $f::<$kind, 2, 2>($($arg),*),
+            (1, 2) => $f::<$kind, 1, 2>($($arg),*),
+            (8, 1) => $f::<$kind, 8, 1>($($arg),*),
+            (7, 1) => $f::<$kind, 7, 1>($($arg),*),
+            (6, 1) => $f::<$kind, 6, 1>($($arg),*),
+            (5, 1) => $f::<$kind, 5, 1>($($arg),*),
+            (4, 1) => $f::<$kind, 4, 1>($($arg),*),
+            (3, 1) => $f::<$kind, 3, 1>($($arg),*),
+            (2, 1) => $f::<$kind, 2, 1>($($arg),*),
+            (1, 1) => $f::<$kind, 1, 1>($($arg),*),
+            _ => unreachable!("tiles are 1..=8 rows by 1..=3 panels"),
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop)] // register tiles read best as indexed loops
+mod x86 {
+    //! AVX-512F (16 lanes: one register per panel) and AVX2 + FMA (8 lanes: two registers per
+    //! panel) kernels. Each accumulator lane is one output element and each step one fused
+    //! multiply-add: exactly `f32::mul_add`. The tile sizes are constants, so the accumulators stay
+    //! in registers.
+
+    use std::arch::x86_64::*;
+
+    use super::{Tile, TileBuf, Weights, MR, NR};
+
+    /// Storage kinds (`KIND`): f32, bf16, and anything else f16.
+    const F32: u8 = 0;
+    const BF16: u8 = 1;
+
+    /// # Safety
+    /// The CPU must support AVX-512F; the caller checked the bounds of `t` and `w`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn avx512(t: &Tile<'_>, w: Weights<'_>, k: usize, tile: &mut TileBuf) {
+        match w {
+            Weights::F32(d) => dispatch_tile!(tile512, 0, t, (t, d.as_ptr().cast(), k * NR, tile)),
+            Weights::Bf16(d) => dispatch_tile!(tile512, 1, t, (t, d.as_ptr().cast(), k * NR, tile)),
+            Weights::F16(d) => dispatch_tile!(tile512, 2, t, (t, d.as_ptr().cast(), k * NR, tile)),
+        }
+    }
+
+    /// 16 weights at element `idx` of storage `KIND`, widened to f32.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load512<const KIND: u8>(base: *const u8, idx: usize) -> __m512 {
+        match KIND {
+            F32 => _mm512_loadu_ps(base.cast::<f32>().add(idx)),
+            BF16 => {
+                let raw = _mm256_loadu_si256(base.cast::<u16>().add(idx).cast());
+                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))
+            }
+            _ => _mm512_cvtph_ps(_mm256_loadu_si256(base.cast::<u16>().add(idx).cast())),
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn tile512<const KIND: u8, const R: usize, const P: usize>(
+        t: &Tile<'_>,
+        base: *const u8,
+        stride: usize,
+        tile: &mut TileBuf,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); P]; R];
+        for i in 0..R {
+            for p in 0..P {
+                acc[i][p] = _mm512_loadu_ps(tile[i].as_ptr().add(p * NR));
+            }
+        }
+        let x = t.x.as_ptr();
+        for kk in t.k0..t.k0 + t.kc {
+            let mut w = [_mm512_setzero_ps(); P];
+            for p in 0..P {
+                w[p] = load512::<KIND>(base, p * stride + kk * NR);
+            }
+            for i in 0..R {
+                let xv = _mm512_set1_ps(*x.add(i * t.ldx + kk));
+                for p in 0..P {
+                    acc[i][p] = _mm512_fmadd_ps(xv, w[p], acc[i][p]);
+                }
+            }
+        }
+        for i in 0..R {
+            for p in 0..P {
+                _mm512_storeu_ps(tile[i].as_mut_ptr().add(p * NR), acc[i][p]);
+            }
+        }
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; the caller checked the bounds of `t` and `w`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn avx2(t: &Tile<'_>, w: Weights<'_>, k: usize, tile: &mut TileBuf) {
+        // One panel (two registers) by at most 4 rows at a time: 8 accumulators of the 16 registers.
+        for p in 0..t.np {
+            for r0 in (0..t.mr).step_by(4) {
+                let part = Tile {
+                    x: &t.x[r0 * t.ldx..],
+                    mr: (t.mr - r0).min(4),
+                    np: 1,
+                    ..*t
+                };
+                let mut sub: TileBuf = [[0f32; super::NP * NR]; MR];
+                for i in 0..part.mr {
+                    sub[i][..NR].copy_from_slice(&tile[r0 + i][p * NR..(p + 1) * NR]);
+                }
+                let off = p * k * NR;
+                match w {
+                    Weights::F32(d) => {
+                        dispatch_tile!(tile256, 0, part, (&part, d.as_ptr().add(off).cast(), &mut sub))
+                    }
+                    Weights::Bf16(d) => {
+                        dispatch_tile!(tile256, 1, part, (&part, d.as_ptr().add(off).cast(), &mut sub))
+                    }
+                    Weights::F16(d) => {
+                        dispatch_tile!(tile256, 2, part, (&part, d.as_ptr().add(off).cast(), &mut sub))
+                    }
+                }
+                for i in 0..part.mr {
+                    tile[r0 + i][p * NR..(p + 1) * NR].copy_from_slice(&sub[i][..NR]);
+                }
+            }
+        }
+    }
+
+    /// 8 weights at element `idx` of storage `KIND`, widened to f32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load256<const KIND: u8>(base: *const u8, idx: usize) -> __m256 {
+        match KIND {
+            F32 => _mm256_loadu_ps(base.cast::<f32>().add(idx)),
+            BF16 => {
+                let raw = _mm_loadu_si128(base.cast::<u16>().add(idx).cast());
+                _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))
+            }
+            _ => _mm256_cvtph_ps(_mm_loadu_si128(base.cast::<u16>().add(idx).cast())),
+        }
+    }
+
+    /// `R` rows of one panel; `_P` is always 1 here (the dispatch macro's shape).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile256<const KIND: u8, const R: usize, const _P: usize>(
+        t: &Tile<'_>,
+        base: *const u8,
+        tile: &mut TileBuf,
+    ) {
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        for i in 0..R {
+            acc[i][0] = _mm256_loadu_ps(tile[i].as_ptr());
+            acc[i][1] = _mm256_loadu_ps(tile[i].as_ptr().add(8));
+        }
+        let x = t.x.as_ptr();
+        for kk in t.k0..t.k0 + t.kc {
+            let w0 = load256::<KIND>(base, kk * NR);
+            let w1 = load256::<KIND>(base, kk * NR + 8);
+            for i in 0..R {
+                let xv = _mm256_set1_ps(*x.add(i * t.ldx + kk));
+                acc[i][0] = _mm256_fmadd_ps(xv, w0, acc[i][0]);
+                acc[i][1] = _mm256_fmadd_ps(xv, w1, acc[i][1]);
+            }
+        }
+        for i in 0..R {
+            _mm256_storeu_ps(tile[i].as_mut_ptr(), acc[i][0]);
+            _mm256_storeu_ps(tile[i].as_mut_ptr().add(8), acc[i][1]);
+        }
+    }
+}
+
+#[cfg(target_arch = "aarch64")]
+#[allow(clippy::needless_range_loop)]
+mod arm {
+    //! NEON (4 lanes: four registers per panel) for f32 panels; `vfmaq_f32` is a fused multiply-add.
+
+    use std::arch::aarch64::*;
+
+    use super::{Tile, TileBuf, Weights, NR};
+
+    /// # Safety
+    /// The caller checked the bounds of `t` and `w`; `w` holds f32 panels.
+    #[target_feature(enable = "neon")]
+    pub unsafe fn neon(t: &Tile<'_>, w: Weights<'_>, k: usize, tile: &mut TileBuf) {
+        let Weights::F32(d) = w else {
+            unreachable!("NEON runs f32 panels")
+        };
+        // One panel (four registers) by at most 4 rows at a time: 16 accumulators of the 32.
+        for p in 0..t.np {
+            for r0 in (0..t.mr).step_by(4) {
+                let rows = (t.mr - r0).min(4);
+                let mut acc = [[vdupq_n_f32(0.0); 4]; 4];
+                for i in 0..rows {
+                    for q in 0..4 {
+                        acc[i][q] = vld1q_f32(tile[r0 + i].as_ptr().add(p * NR + 4 * q));
+                    }
+                }
+                for kk in t.k0..t.k0 + t.kc {
+                    let ptr = d.as_ptr().add(p * k * NR + kk * NR);
+                    let w = [
+                        vld1q_f32(ptr),
+                        vld1q_f32(ptr.add(4)),
+                        vld1q_f32(ptr.add(8)),
+                        vld1q_f32(ptr.add(12)),
+                    ];
+                    for i in 0..rows {
+                        let xv = vdupq_n_f32(*t.x.get_unchecked((r0 + i) * t.ldx + kk));
+                        for q in 0..4 {
+                            acc[i][q] = vfmaq_f32(acc[i][q], xv, w[q]);
+                        }
+                    }
+                }
+                for i in 0..rows {
+                    for q in 0..4 {
+                        vst1q_f32(tile[r0 + i].as_mut_ptr().add(p * NR + 4 * q), acc[i][q]);
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,122 @@
+//! The CPU GEMM's exactness contract: every output element is one sequential fused multiply-add
+//! chain over k from 0.0, then + bias. Checked bitwise against that definition written as a plain
+//! loop, on every instruction-set path this CPU has, for f32, bf16 and f16 weights, for shapes that
+//! do not fill the tiles; and a row's bits do not depend on how many rows share the call or how many
+//! threads run it.
+
+use recall::backend::cpu::gemm::{gemm, gemm_with, Elem, Isa, Packed, RowBits};
+
+/// A weight `[n, k]` in `elem`, with its values as f32 (what the kernel must widen them to).
+fn weight(rng: &mut fastrand::Rng, n: usize, k: usize, elem: Elem) -> (Packed, Vec<f32>) {
+    let f: Vec<f32> = (0..n * k).map(|_| rng.f32() * 2.0 - 1.0).collect();
+    let (bits, values): (Vec<u16>, Vec<f32>) = match elem {
+        Elem::F32 => (Vec::new(), f.clone()),
+        Elem::Bf16 => f
+            .iter()
+            .map(|&v| {
+                let b = half::bf16::from_f32(v);
+                (b.to_bits(), b.to_f32())
+            })
+            .unzip(),
+        Elem::F16 => f
+            .iter()
+            .map(|&v| {
+                let h = half::f16::from_f32(v);
+                (h.to_bits(), h.to_f32())
+            })
+            .unzip(),
+    };
+    let packed = Packed::new(n, k, elem, |c| match elem {
+        Elem::F32 => RowBits::F32(f[c * k..(c + 1) * k].to_vec()),
+        _ => RowBits::Half(bits[c * k..(c + 1) * k].to_vec()),
+    });
+    (packed, values)
+}
+
+/// The definition.
+fn reference(x: &[f32], m: usize, w: &[f32], n: usize, k: usize, bias: Option<&[f32]>) -> Vec<f32> {
+    let mut y = vec![0f32; m * n];
+    for r in 0..m {
+        for c in 0..n {
+            let mut acc = 0f32;
+            for i in 0..k {
+                acc = x[r * k + i].mul_add(w[c * k + i], acc);
+            }
+            y[r * n + c] = acc + bias.map_or(0.0, |b| b[c]);
+        }
+    }
+    y
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+const PATHS: [Isa; 4] = [Isa::Avx512, Isa::Avx2, Isa::Neon, Isa::Portable];
+
+#[test]
+fn every_path_computes_the_definition_bitwise() {
+    let mut rng = fastrand::Rng::with_seed(1);
+    let paths: Vec<Isa> = PATHS.into_iter().filter(|i| i.available()).collect();
+    eprintln!("paths on this CPU: {paths:?} (detected: {:?})", Isa::detect());
+    // (m, n, k): single rows, tiles and panels partly filled, k over several blocks, k = 0.
+    for &(m, n, k) in &[
+        (1, 16, 8),
+        (7, 33, 300),
+        (13, 50, 517),
+        (200, 17, 64),
+        (2, 40, 0),
+        (6, 32, 256),
+    ] {
+        for elem in [Elem::F32, Elem::Bf16, Elem::F16] {
+            let (packed, w) = weight(&mut rng, n, k, elem);
+            let x: Vec<f32> = (0..m * k).map(|_| rng.f32() * 4.0 - 2.0).collect();
+            let b: Vec<f32> = (0..n).map(|_| rng.f32()).collect();
+            for bias in [None, Some(b.as_slice())] {
+                let want = reference(&x, m, &w, n, k, bias);
+                for &isa in &paths {
+                    let mut y = vec![f32::NAN; m * n];
+                    gemm_with(isa, &x, m, &packed, bias, &mut y);
+                    assert_eq!(
+                        bits(&y),
+                        bits(&want),
+                        "{isa:?} {elem:?} m={m} n={n} k={k} bias={}",
+                        bias.is_some()
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_row_does_not_depend_on_its_batch_or_the_thread_count() {
+    let mut rng = fastrand::Rng::with_seed(2);
+    let (m, n, k) = (300, 70, 600);
+    let (packed, _) = weight(&mut rng, n, k, Elem::Bf16);
+    let x: Vec<f32> = (0..m * k).map(|_| rng.f32() - 0.5).collect();
+    let mut all = vec![0f32; m * n];
+    gemm(&x, m, &packed, None, &mut all);
+    for r in [0, 1, 5, 6, 191, 192, 299] {
+        let mut one = vec![0f32; n];
+        gemm(&x[r * k..(r + 1) * k], 1, &packed, None, &mut one);
+        assert_eq!(bits(&one), bits(&all[r * n..(r + 1) * n]), "row {r} alone");
+        let mut some = vec![0f32; 3 * n];
+        let start = r.min(m - 3);
+        gemm(&x[start * k..(start + 3) * k], 3, &packed, None, &mut some);
+        assert_eq!(
+            bits(&some[(r - start) * n..(r - start + 1) * n]),
+            bits(&all[r * n..(r + 1) * n]),
+            "row {r} among 3"
+        );
+    }
+    for threads in [1, 3, 5] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        let mut y = vec![0f32; m * n];
+        pool.install(|| gemm(&x, m, &packed, None, &mut y));
+        assert_eq!(bits(&y), bits(&all), "{threads} threads");
+    }
+}
