@@ -2,6 +2,11 @@
 
 mod cli;
 
+/// mimalloc keeps freed memory for reuse: the CPU backend's activations are tens of megabytes per
+/// op, which glibc's allocator would map and unmap (and page-fault in) on every forward.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(

@@ -86,6 +86,9 @@ fn generate_on<B: Backend>(be: B, a: &GenerateArgs) -> Result<()> {
         "generated"
     );
     if a.profile {
+        if !stats.vision_ops.is_empty() {
+            eprint!("{}", ops_table("vision", &stats.vision_ops));
+        }
         eprint!("{}", ops_table("prefill", &stats.prefill_ops));
         eprint!("{}", ops_table("decode", &stats.decode_ops));
     }
@@ -102,6 +105,7 @@ fn generate_on<B: Backend>(be: B, a: &GenerateArgs) -> Result<()> {
                 "decode_seconds": stats.decode_seconds,
                 "decode_steps": stats.decode_steps,
             },
+            "vision_ops": stats.vision_ops,
             "prefill_ops": stats.prefill_ops,
             "decode_ops": stats.decode_ops,
         });

@@ -68,7 +68,9 @@ pub struct GenerationStats {
     /// The forwards after it, seconds, and how many.
     pub decode_seconds: f64,
     pub decode_steps: usize,
-    /// With profiling: each phase op by op (slowest first).
+    /// With profiling: each phase op by op (slowest first); the vision tower's when the caller
+    /// encoded images first ([`Pipeline::generate_chat_timed`](crate::engine::Pipeline::generate_chat_timed)).
+    pub vision_ops: Vec<OpTime>,
     pub prefill_ops: Vec<OpTime>,
     pub decode_ops: Vec<OpTime>,
 }

@@ -322,13 +322,16 @@ impl<B: Backend> Pipeline<B> {
         stop_strings: &[String],
         profile: bool,
     ) -> Result<(PromptInput<B::Tensor>, Generation, GenerationStats)> {
-        let prompt = self.prepare(messages, true)?;
+        self.backend.set_profiling(profile);
+        let prompt = self.prepare(messages, true);
+        let vision_ops = self.backend.take_profile()?;
+        let prompt = prompt?;
         let params = GenerateParams {
             max_tokens,
             eos_token_ids: self.eos_token_ids(),
             stop_strings: stop_strings.to_vec(),
         };
-        let (out, stats) = generate_timed(
+        let (out, mut stats) = generate_timed(
             &self.backend,
             &self.model.text,
             &prompt,
@@ -336,6 +339,7 @@ impl<B: Backend> Pipeline<B> {
             Some(&self.tokenizer),
             profile,
         )?;
+        stats.vision_ops = vision_ops;
         Ok((prompt, out, stats))
     }
 

@@ -2,7 +2,7 @@
 
 use rayon::prelude::*;
 
-use super::simd::{dot, dot4, exp, multiversion, pv_accumulate};
+use super::simd::{dot, dot_4x4, exp, multiversion, pv_accumulate};
 use super::{CpuTensor, CpuWeight};
 use crate::backend::{AttnShape, PagedSeq};
 
@@ -137,20 +137,36 @@ fn attend_tile(q: &CpuTensor, k: &CpuTensor, v: &CpuTensor, d: usize, scale: f32
         &q.data[at..at + d]
     };
     let mut scores = vec![0f32; rows * n];
-    let mut live = Vec::with_capacity(rows);
-    for (j, &key) in t.keys[..n].iter().enumerate() {
-        let kj = &k.data[key * k.cols + t.kv_col..key * k.cols + t.kv_col + d];
-        live.clear();
-        live.extend((0..rows).filter(|&i| j < t.visible[i]));
-        let mut quads = live.chunks_exact(4);
-        for q4 in &mut quads {
-            let s4 = dot4([qrow(q4[0]), qrow(q4[1]), qrow(q4[2]), qrow(q4[3])], kj);
-            for (&i, s) in q4.iter().zip(s4) {
-                scores[i * n + j] = s * scale;
+    let key = |j: usize| {
+        let at = t.keys[j] * k.cols + t.kv_col;
+        &k.data[at..at + d]
+    };
+    // Blocks of 4 rows × 4 keys that every row of the block sees go 16 dot products at a time; the
+    // rest (the causal edge, leftover rows and keys) one at a time. Either way each score is `dot`.
+    let (row_quads, key_quads) = (rows / 4 * 4, n / 4 * 4);
+    for j0 in (0..key_quads).step_by(4) {
+        let ks = [key(j0), key(j0 + 1), key(j0 + 2), key(j0 + 3)];
+        for i0 in (0..row_quads).step_by(4) {
+            if t.visible[i0..i0 + 4].iter().all(|&v| v >= j0 + 4) {
+                let grid = dot_4x4([qrow(i0), qrow(i0 + 1), qrow(i0 + 2), qrow(i0 + 3)], ks);
+                for (r, row) in grid.iter().enumerate() {
+                    for (c, s) in row.iter().enumerate() {
+                        scores[(i0 + r) * n + j0 + c] = s * scale;
+                    }
+                }
+            } else {
+                for i in i0..i0 + 4 {
+                    for j in j0..(j0 + 4).min(t.visible[i]) {
+                        scores[i * n + j] = dot(qrow(i), key(j)) * scale;
+                    }
+                }
             }
         }
-        for &i in quads.remainder() {
-            scores[i * n + j] = dot(qrow(i), kj) * scale;
+    }
+    for i in 0..rows {
+        let done = if i < row_quads { key_quads.min(t.visible[i]) } else { 0 };
+        for j in done..t.visible[i] {
+            scores[i * n + j] = dot(qrow(i), key(j)) * scale;
         }
     }
     let mut sums = vec![0f32; rows];

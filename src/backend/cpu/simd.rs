@@ -64,20 +64,21 @@ pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
     dot_scalar(&a[..n], &b[..n])
 }
 
-/// `[dot(a[0], b), dot(a[1], b), dot(a[2], b), dot(a[3], b)]`, each exactly [`dot`], computed
-/// together so that the four addition chains overlap.
+/// `out[r][c] = dot(q[r], k[c])` for 4 rows and 4 keys (all of one length), each exactly [`dot`]:
+/// the 16 sums run side by side, and their pairwise combinations are done 16 at a time (the same
+/// additions, lanes moved between registers).
 #[inline(always)]
-pub(super) fn dot4(a: [&[f32]; 4], b: &[f32]) -> [f32; 4] {
-    let n = b.len();
-    debug_assert!(a.iter().all(|r| r.len() == n));
+pub(super) fn dot_4x4(q: [&[f32]; 4], k: [&[f32]; 4]) -> [[f32; 4]; 4] {
+    let n = q[0].len();
+    debug_assert!(q.iter().chain(&k).all(|r| r.len() == n));
     #[cfg(target_arch = "x86_64")]
     {
-        if a.iter().all(|r| r.len() >= n) && std::arch::is_x86_feature_detected!("avx512f") {
+        if q.iter().chain(&k).all(|r| r.len() >= n) && std::arch::is_x86_feature_detected!("avx512f") {
             // SAFETY: the CPU has AVX-512F; every slice holds at least `n` elements.
-            return unsafe { x86::dot4_avx512(a.map(<[f32]>::as_ptr), b.as_ptr(), n) };
+            return unsafe { x86::dot_4x4_avx512(q.map(<[f32]>::as_ptr), k.map(<[f32]>::as_ptr), n) };
         }
     }
-    a.map(|r| dot(&r[..n], b))
+    q.map(|qr| k.map(|kc| dot(&qr[..n], &kc[..n])))
 }
 
 /// `o[r] += p[r·ldp + j] · v_j` elementwise for every key `j < visible[r]`, in key order, for each row
@@ -184,28 +185,74 @@ mod x86 {
     }
 
     /// # Safety
-    /// AVX-512F; every `a[r]` and `b` point to `n` floats.
+    /// AVX-512F; every `q[r]` and `k[c]` point to `n` floats.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn dot4_avx512(a: [*const f32; 4], b: *const f32, n: usize) -> [f32; 4] {
-        let mut acc = [_mm512_setzero_ps(); 4];
+    pub unsafe fn dot_4x4_avx512(q: [*const f32; 4], k: [*const f32; 4], n: usize) -> [[f32; 4]; 4] {
+        // acc[4r + c]: lane l sums q[r][i]·k[c][i] over i ≡ l (mod 16), in order.
+        let mut acc = [_mm512_setzero_ps(); 16];
         let full = n / 16 * 16;
         let mut i = 0;
         while i < full {
-            let bv = _mm512_loadu_ps(b.add(i));
+            let kv = k.map(|p| _mm512_loadu_ps(p.add(i)));
             for r in 0..4 {
-                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_loadu_ps(a[r].add(i)), bv));
+                let qv = _mm512_loadu_ps(q[r].add(i));
+                for c in 0..4 {
+                    acc[4 * r + c] = _mm512_add_ps(acc[4 * r + c], _mm512_mul_ps(qv, kv[c]));
+                }
             }
             i += 16;
         }
         if full < n {
             let m: __mmask16 = (1u32 << (n - full)) as u16 - 1;
-            let bv = _mm512_maskz_loadu_ps(m, b.add(full));
+            let kv = k.map(|p| _mm512_maskz_loadu_ps(m, p.add(full)));
             for r in 0..4 {
-                let prod = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, a[r].add(full)), bv);
-                acc[r] = _mm512_mask_add_ps(acc[r], m, acc[r], prod);
+                let qv = _mm512_maskz_loadu_ps(m, q[r].add(full));
+                for c in 0..4 {
+                    let prod = _mm512_mul_ps(qv, kv[c]);
+                    acc[4 * r + c] = _mm512_mask_add_ps(acc[4 * r + c], m, acc[4 * r + c], prod);
+                }
             }
         }
-        acc.map(|v| tree16(v))
+        let sums = tree16x16(acc);
+        let mut out = [0f32; 16];
+        _mm512_storeu_ps(out.as_mut_ptr(), sums);
+        [0, 1, 2, 3].map(|r| [0, 1, 2, 3].map(|c| out[4 * r + c]))
+    }
+
+    /// Lane `d` of the result is [`tree16`] of `acc[d]`: the same additions (`l += l + 8`, `+4`,
+    /// `+2`, `+1`) done for 16 accumulators at once, pairing lanes of two registers with permutes.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn tree16x16(acc: [__m512; 16]) -> __m512 {
+        // Lane index vectors: `pick(f)` takes lane f(i) of the pair (a, b) into lane i (16 + j is b[j]).
+        let pick = |f: fn(i32) -> i32| {
+            let idx: [i32; 16] = std::array::from_fn(|i| f(i as i32));
+            _mm512_loadu_si512(idx.as_ptr().cast())
+        };
+        let step = |a: __m512, b: __m512, lo: __m512i, hi: __m512i| {
+            _mm512_add_ps(_mm512_permutex2var_ps(a, lo, b), _mm512_permutex2var_ps(a, hi, b))
+        };
+        // Width 8: lanes 0..8 of each pair's halves.
+        let (lo, hi) = (pick(|i| (i / 8) * 16 + i % 8), pick(|i| (i / 8) * 16 + i % 8 + 8));
+        let s: [__m512; 8] = std::array::from_fn(|m| step(acc[2 * m], acc[2 * m + 1], lo, hi));
+        // Width 4: groups of 4 lanes at 0 and 8 of each register.
+        let (lo, hi) = (
+            pick(|i| (i / 8) * 16 + (i % 8 / 4) * 8 + i % 4),
+            pick(|i| (i / 8) * 16 + (i % 8 / 4) * 8 + i % 4 + 4),
+        );
+        let t: [__m512; 4] = std::array::from_fn(|m| step(s[2 * m], s[2 * m + 1], lo, hi));
+        // Width 2: pairs of lanes at 0 of each group of 4.
+        let (lo, hi) = (
+            pick(|i| (i / 8) * 16 + (i % 8 / 2) * 4 + i % 2),
+            pick(|i| (i / 8) * 16 + (i % 8 / 2) * 4 + i % 2 + 2),
+        );
+        let u: [__m512; 2] = std::array::from_fn(|m| step(t[2 * m], t[2 * m + 1], lo, hi));
+        // Width 1: even and odd lanes.
+        let (lo, hi) = (
+            pick(|i| (i / 8) * 16 + (i % 8) * 2),
+            pick(|i| (i / 8) * 16 + (i % 8) * 2 + 1),
+        );
+        step(u[0], u[1], lo, hi)
     }
 
     /// The pairwise combination of 16 lanes: `l += l + 8`, `+4`, `+2`, `+1`.
@@ -384,7 +431,7 @@ pub(super) fn exp(x: f32) -> f32 {
 
 #[cfg(test)]
 mod tests {
-    use super::{dot, dot4, dot_scalar, exp};
+    use super::{dot, dot_4x4, dot_scalar, exp};
 
     #[test]
     fn dot_is_its_definition_on_every_path_and_length() {
@@ -394,17 +441,6 @@ mod tests {
             let b: Vec<f32> = (0..n).map(|_| rng.f32() * 2.0 - 1.0).collect();
             let want = dot_scalar(&a, &b).to_bits();
             assert_eq!(dot(&a, &b).to_bits(), want, "n = {n}");
-            let rows: Vec<Vec<f32>> = (0..4)
-                .map(|r| a.iter().map(|x| x * (r as f32 + 0.5)).collect())
-                .collect();
-            let four = dot4([&rows[0], &rows[1], &rows[2], &rows[3]], &b);
-            for r in 0..4 {
-                assert_eq!(
-                    four[r].to_bits(),
-                    dot_scalar(&rows[r], &b).to_bits(),
-                    "dot4 row {r}, n = {n}"
-                );
-            }
             #[cfg(target_arch = "x86_64")]
             {
                 if std::arch::is_x86_feature_detected!("avx512f") {
