@@ -441,6 +441,16 @@ mod tests {
             let b: Vec<f32> = (0..n).map(|_| rng.f32() * 2.0 - 1.0).collect();
             let want = dot_scalar(&a, &b).to_bits();
             assert_eq!(dot(&a, &b).to_bits(), want, "n = {n}");
+            let scaled = |x: &[f32], s: f32| x.iter().map(|v| v * s).collect::<Vec<f32>>();
+            let q: Vec<Vec<f32>> = (0..4).map(|r| scaled(&a, r as f32 + 0.5)).collect();
+            let k: Vec<Vec<f32>> = (0..4).map(|c| scaled(&b, 1.25 - c as f32)).collect();
+            let grid = dot_4x4([&q[0], &q[1], &q[2], &q[3]], [&k[0], &k[1], &k[2], &k[3]]);
+            for (r, row) in grid.iter().enumerate() {
+                for (c, got) in row.iter().enumerate() {
+                    let want = dot_scalar(&q[r], &k[c]).to_bits();
+                    assert_eq!(got.to_bits(), want, "dot_4x4 [{r}][{c}], n = {n}");
+                }
+            }
             #[cfg(target_arch = "x86_64")]
             {
                 if std::arch::is_x86_feature_detected!("avx512f") {
