@@ -13,8 +13,10 @@ Both run one greedy generation of the same chat (a text of about --prompt-tokens
 
 It reports prefill seconds, decode ms/token, vision ms per screenshot, recall/HF ratios, whether the
 greedy tokens are identical, and the GEMM throughput: recall's ``linear`` in the prefill (FLOPs it
-counts over its time), PyTorch's 2048^3 f32 matmul, and this machine's f32 FMA peak measured by
-``cargo bench --bench gemm -- peak`` when --peak-gflops is given.
+counts over its time), PyTorch's 2048^3 f32 matmul, and this machine's f32 FMA peak, which recall's
+``--profile`` measures in the same process right after the generation (``recall::backend::cpu::peak``;
+``cargo bench --bench gemm -- peak`` times the same loop); the share of peak is the median of the
+runs' own ratios.
 
     .venv-serve/bin/python tools/make_shape_model.py --out /tmp/shape-l4            # f32, 4+4 layers
     cargo build --release
@@ -48,7 +50,7 @@ def parse():
     ap.add_argument("--repeats", type=int, default=3,
                     help="runs of each side, interleaved (recall, HF, recall, ...); medians reported")
     ap.add_argument("--peak-gflops", type=float, default=None,
-                    help="this machine's measured f32 FMA peak (cargo bench --bench gemm -- peak)")
+                    help="use this f32 FMA peak instead of the one recall measures in each run")
     ap.add_argument("--json", default=None, help="also write the report here")
     return ap.parse_args()
 
@@ -154,6 +156,7 @@ def run_recall(binary, model_dir, messages_path, new_tokens):
         "decode_ms_per_token": t["decode_seconds"] / max(1, t["decode_steps"]) * 1e3,
         "tokens": r["tokens"],
         "linear_gflops_prefill": gemm,
+        "fma_peak_gflops": r.get("fma_peak_gflops"),
         "prefill_ops": r["prefill_ops"],
         "backend": r["backend"],
     }
@@ -184,7 +187,12 @@ def main():
         for key in ("vision_seconds", "prefill_seconds", "decode_ms_per_token"):
             rec[key], hf[key] = median_of(recs, key), median_of(hfs, key)
         rec["linear_gflops_prefill"] = median_of(recs, "linear_gflops_prefill")
-        rec["runs"] = [{k: r[k] for k in ("vision_seconds", "prefill_seconds", "decode_ms_per_token")} for r in recs]
+        peaks = [args.peak_gflops or r["fma_peak_gflops"] for r in recs]
+        share_of_peak = (statistics.median(r["linear_gflops_prefill"] / p for r, p in zip(recs, peaks))
+                         if all(peaks) else None)
+        peak = statistics.median(peaks) if all(peaks) else None
+        rec["runs"] = [{k: r[k] for k in ("vision_seconds", "prefill_seconds", "decode_ms_per_token",
+                                          "linear_gflops_prefill", "fma_peak_gflops")} for r in recs]
         hf["runs"] = [{k: r[k] for k in ("vision_seconds", "prefill_seconds", "decode_ms_per_token")} for r in hfs]
         if any(r["tokens"] != rec["tokens"] for r in recs) or any(r["tokens"] != hf["tokens"] for r in hfs):
             sys.exit("a side's greedy tokens changed between runs")
@@ -201,7 +209,8 @@ def main():
         "vision_ratio": (rec["vision_seconds"] / hf["vision_seconds"]) if args.images else None,
         "tokens_identical": rec["tokens"] == hf["tokens"],
         "torch_matmul_2048_gflops": peak_torch,
-        "peak_gflops": args.peak_gflops,
+        "peak_gflops": peak,
+        "linear_share_of_peak": share_of_peak,
     }
     print(f"prompt tokens: recall {rec['prompt_tokens']}, HF {hf['prompt_tokens']}; {args.images} screenshot(s); "
           f"{rec['backend']} vs torch with {hf['threads']} threads; medians of {args.repeats} interleaved runs")
@@ -211,13 +220,15 @@ def main():
     print(f"| decode (ms/token) | {rec['decode_ms_per_token']:.1f} | {hf['decode_ms_per_token']:.1f} | "
           f"{report['decode_ratio']:.2f} |")
     if args.images:
+        both = [r["vision_seconds"] + r["prefill_seconds"] for r in (rec, hf)]
+        print(f"| vision + prefill (s) | {both[0]:.3f} | {both[1]:.3f} | {both[0] / both[1]:.2f} |")
         print(f"| vision (ms/screenshot) | {rec['vision_seconds'] / n_img * 1e3:.0f} | "
               f"{hf['vision_seconds'] / n_img * 1e3:.0f} | {report['vision_ratio']:.2f} |")
     print(f"| greedy tokens identical | {report['tokens_identical']} | | |")
     line = (f"GEMM: recall linear in prefill {rec['linear_gflops_prefill']:.0f} GFLOP/s; "
             f"torch 2048^3 matmul {peak_torch:.0f} GFLOP/s ({rec['linear_gflops_prefill'] / peak_torch:.0%})")
-    if args.peak_gflops:
-        line += f"; measured FMA peak {args.peak_gflops:.0f} ({rec['linear_gflops_prefill'] / args.peak_gflops:.0%})"
+    if peak:
+        line += f"; f32 FMA peak {peak:.0f} GFLOP/s, linear at {share_of_peak:.0%} of it (median of the runs)"
     print(line)
     if not report["tokens_identical"]:
         print(f"recall tokens {rec['tokens']}\nHF tokens     {hf['tokens']}")

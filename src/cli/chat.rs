@@ -85,12 +85,22 @@ fn generate_on<B: Backend>(be: B, a: &GenerateArgs) -> Result<()> {
         vision_s = input.vision_seconds,
         "generated"
     );
+    // The peak that the GEMM's GFLOP/s are relative to, measured now (it moves with turbo and neighbours).
+    let fma_peak = (a.profile && p.backend.name() == "cpu")
+        .then(|| recall::backend::cpu::peak::fma_peak_gflops(100))
+        .flatten();
     if a.profile {
         if !stats.vision_ops.is_empty() {
             eprint!("{}", ops_table("vision", &stats.vision_ops));
         }
         eprint!("{}", ops_table("prefill", &stats.prefill_ops));
         eprint!("{}", ops_table("decode", &stats.decode_ops));
+        if let (Some(peak), Some(linear)) = (fma_peak, linear_gflops(&stats.prefill_ops)) {
+            eprintln!(
+                "linear in prefill: {linear:.1} GFLOP/s, {:.0}% of this machine's f32 FMA peak ({peak:.1} GFLOP/s, measured now)",
+                100.0 * linear / peak
+            );
+        }
     }
     if a.json {
         let v = serde_json::json!({
@@ -108,12 +118,19 @@ fn generate_on<B: Backend>(be: B, a: &GenerateArgs) -> Result<()> {
             "vision_ops": stats.vision_ops,
             "prefill_ops": stats.prefill_ops,
             "decode_ops": stats.decode_ops,
+            "fma_peak_gflops": fma_peak,
         });
         println!("{v}");
     } else {
         println!("{}", out.text.unwrap_or_default());
     }
     Ok(())
+}
+
+/// The `linear` op's GFLOP/s in a profile, when it ran and counted FLOPs.
+fn linear_gflops(ops: &[recall::backend::OpTime]) -> Option<f64> {
+    let l = ops.iter().find(|o| o.op == "linear" && o.flops > 0.0)?;
+    Some(l.flops / l.seconds.max(1e-12) / 1e9)
 }
 
 /// A per-op table: calls, seconds, share, and GFLOP/s where the backend counts FLOPs.

@@ -7,6 +7,7 @@
 
 pub mod gemm;
 mod ops;
+pub mod peak;
 mod profile;
 #[macro_use]
 mod simd;
@@ -292,7 +293,10 @@ impl Backend for CpuBackend {
     }
 
     fn linear(&self, x: &CpuTensor, w: &CpuWeight, bias: Option<&CpuWeight>) -> Result<CpuTensor> {
-        let mut op = profile::start("linear");
+        // Under a micro-kernel's 8 rows the product is bound by reading the weights (decode, the
+        // prompt's last row through lm_head), not by FMAs: profiled apart so that GEMM rates mean
+        // the compute-bound calls.
+        let mut op = profile::start(if x.rows < 8 { "linear_gemv" } else { "linear" });
         check::linear(x.cols, &w.shape, bias.map(|b| &b.shape[..]))?;
         op.flops(2.0 * x.rows as f64 * w.shape[0] as f64 * x.cols as f64);
         Ok(ops::linear(x, w, bias))
