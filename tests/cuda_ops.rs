@@ -257,6 +257,39 @@ fn linear_matches_cpu() {
     eprintln!("cuBLASLt plans cached: {}", g.cached_gemm_plans());
 }
 
+/// `linear` over zero inputs is an empty sum: the bias in every row, zeros without one. The CPU is
+/// checked against that definition first (this part runs without a GPU), then the GPU against it,
+/// exactly (the bias values are exact in bf16).
+#[test]
+fn linear_with_no_inputs_is_the_bias() {
+    let (rows, out) = (3, 5);
+    let bias: Vec<f32> = (0..out).map(|i| i as f32 - 1.5).collect();
+    let w = Bf16Checkpoint::new(&[("w", vec![], vec![out, 0]), ("b", bias.clone(), vec![out])]);
+    let want: Vec<f32> = bias.iter().cycle().take(rows * out).copied().collect();
+    let zeros = vec![0f32; rows * out];
+    let cpu = |name: &str| CpuBackend.load_weight(w.ckpt.get(name).unwrap()).unwrap();
+    let (cw, cb) = (cpu("w"), cpu("b"));
+    let x = CpuBackend.upload(&[], rows, 0).unwrap();
+    assert_eq!(
+        CpuBackend.linear(&x, &cw, Some(&cb)).unwrap().data,
+        want,
+        "CPU with bias"
+    );
+    assert_eq!(
+        CpuBackend.linear(&x, &cw, None).unwrap().data,
+        zeros,
+        "CPU without bias"
+    );
+    let Some(g) = gpu() else { return };
+    let ((gw, _), (gb, _)) = (w.both(&g, "w"), w.both(&g, "b"));
+    let x = g.upload(&[], rows, 0).unwrap();
+    let with = g.linear(&x, &gw, Some(&gb)).unwrap();
+    assert_eq!(g.dims(&with), (rows, out));
+    assert_eq!(g.download(&with).unwrap(), want, "CUDA with bias");
+    let without = g.linear(&x, &gw, None).unwrap();
+    assert_eq!(g.download(&without).unwrap(), zeros, "CUDA without bias");
+}
+
 #[test]
 fn norms_match_cpu() {
     let Some(g) = gpu() else { return };

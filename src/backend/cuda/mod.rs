@@ -633,6 +633,12 @@ impl CudaBackend {
         }
         Ok(out)
     }
+
+    /// `rows` copies of a 1-D weight as a `[rows, len]` tensor (one gather of row 0).
+    fn broadcast_row(&self, row: &CudaWeight, rows: usize) -> Result<CudaTensor> {
+        let index = self.stage(&vec![0u32; rows])?;
+        self.gather(self.ptr(&row.buf), &index, rows, row.len())
+    }
 }
 
 /// Host-side conversion of a checkpoint tensor to bf16 (round to nearest even, as torch's `.to()`).
@@ -691,7 +697,12 @@ impl Backend for CudaBackend {
         if let Some((fill, first)) = t.synthetic() {
             return self.synthetic_weight(&t.shape, fill, first);
         }
-        let host = to_bf16(t);
+        let mut host = to_bf16(t);
+        // An empty tensor (e.g. a weight with no inputs) still gets one element: the driver refuses
+        // zero-byte allocations.
+        if host.is_empty() {
+            host.push(bf16::ZERO);
+        }
         let buf = self
             .stream
             .clone_htod(&host)
@@ -783,16 +794,24 @@ impl Backend for CudaBackend {
     fn linear(&self, x: &CudaTensor, w: &CudaWeight, bias: Option<&CudaWeight>) -> Result<CudaTensor> {
         let out = check::linear(x.cols, &w.shape, bias.map(|b| &b.shape[..]))?;
         let inner = x.cols;
-        let y = self.alloc_tensor(x.rows, out)?;
         if x.rows == 0 || out == 0 {
-            return Ok(y);
+            return self.alloc_tensor(x.rows, out);
         }
         if inner == 0 {
-            return self.zeros(x.rows, out);
+            // An empty sum: every row is the bias (zeros without one), as on the CPU; cuBLASLt has no
+            // k = 0 GEMM.
+            return match bias {
+                Some(b) => self.broadcast_row(b, x.rows),
+                None => self.zeros(x.rows, out),
+            };
         }
+        // Planned before hashing: the trace must change when the algorithm does (batch-invariant mode
+        // switched at run time), or a replay would run GEMMs the direct path no longer chooses.
+        let plan = self.lt.prepare(x.rows, out, inner, bias.is_some())?;
+        let y = self.alloc_tensor(x.rows, out)?;
         let bias = bias.map(|b| self.ptr(&b.buf));
         let hash = graph::launch_hash("gemm", (0, 0, 0), (0, 0, 0), 0, |h| {
-            for v in [x.ptr(), self.ptr(&w.buf), bias.unwrap_or(0), y.ptr()] {
+            for v in [x.ptr(), self.ptr(&w.buf), bias.unwrap_or(0), y.ptr(), plan.tag()] {
                 h.update(&v.to_le_bytes());
             }
             for v in [x.rows, out, inner] {
@@ -803,16 +822,13 @@ impl Backend for CudaBackend {
             return Ok(y);
         }
         let timer = self.profile_start()?;
-        self.lt.linear(
-            &self.stream,
-            x.ptr(),
-            self.ptr(&w.buf),
+        let operands = blas::Operands {
+            x: x.ptr(),
+            w: self.ptr(&w.buf),
             bias,
-            y.ptr(),
-            x.rows,
-            out,
-            inner,
-        )?;
+            y: y.ptr(),
+        };
+        self.lt.linear(&self.stream, &plan, operands)?;
         self.profile_end("gemm", timer)?;
         Ok(y)
     }
