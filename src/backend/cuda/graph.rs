@@ -27,6 +27,7 @@ use cudarc::driver::{result, sys, CudaGraph, CudaSlice, CudaStream, DevicePtr};
 use xxhash_rust::xxh64::Xxh64;
 
 use super::libs::cuda_err;
+use super::staging::Pinned;
 use crate::backend::{StepKey, StepStats};
 use crate::error::Result;
 
@@ -119,33 +120,10 @@ impl Drop for Lease {
     }
 }
 
-/// Pinned host memory (page-locked, so the copy before a replay is a true async DMA).
-struct Pinned {
-    ptr: *mut u8,
-    len: usize,
 }
 
-// SAFETY: the pointer is owned by this struct and only used under the step mutex.
-unsafe impl Send for Pinned {}
-
-impl Pinned {
-    fn new(len: usize) -> Result<Self> {
-        // SAFETY: a fresh page-locked allocation of `len` bytes, freed once in Drop.
-        let ptr =
-            unsafe { result::malloc_host(len, 0) }.map_err(|e| cuda_err(format!("pinned alloc: {e:?}")))?;
-        Ok(Pinned {
-            ptr: ptr as *mut u8,
-            len,
-        })
     }
-}
 
-impl Drop for Pinned {
-    fn drop(&mut self) {
-        // SAFETY: allocated by `malloc_host` in `new`.
-        unsafe {
-            let _ = result::free_host(self.ptr as *mut std::ffi::c_void);
-        }
     }
 }
 
@@ -274,13 +252,13 @@ impl Steps {
                 let off = self.staged;
                 let end = off + bytes.len();
                 let pinned = self.pinned.as_ref()?;
-                if end > pinned.len {
+                if end > pinned.len() {
                     self.overflow = true;
                     return None;
                 }
                 // SAFETY: `off..end` lies inside the pinned buffer, which no copy reads concurrently
                 // (the previous step's copy completed: `begin` synchronises on it).
-                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), pinned.ptr.add(off), bytes.len()) };
+                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), pinned.ptr().add(off), bytes.len()) };
                 self.staged = end.div_ceil(ALIGN) * ALIGN;
                 if dedup.is_some() {
                     self.memo.insert(key, off);
@@ -297,8 +275,8 @@ impl Steps {
     fn staged_bytes(&self, off: usize, len: usize) -> Option<&[u8]> {
         let pinned = self.pinned.as_ref()?;
         // SAFETY: only offsets below `staged` (inside the buffer, written this step) are asked for.
-        (off + len <= self.staged.min(pinned.len))
-            .then(|| unsafe { std::slice::from_raw_parts(pinned.ptr.add(off), len) })
+        (off + len <= self.staged.min(pinned.len()))
+            .then(|| unsafe { std::slice::from_raw_parts(pinned.ptr().add(off), len) })
     }
 
     fn ensure_buffers(&mut self, stream: &Arc<CudaStream>) -> Result<()> {
@@ -433,7 +411,7 @@ impl Steps {
         let (dst, _) = dev.device_ptr(stream);
         // SAFETY: both buffers hold at least `staged` bytes; the pinned buffer is not written again
         // before the next `begin`, which synchronises the stream first.
-        let src = unsafe { std::slice::from_raw_parts(pinned.ptr, self.staged) };
+        let src = unsafe { std::slice::from_raw_parts(pinned.ptr(), self.staged) };
         unsafe { result::memcpy_htod_async(dst, src, stream.cu_stream()) }
             .map_err(|e| cuda_err(format!("staging copy: {e:?}")))
     }

@@ -20,6 +20,7 @@ mod graph;
 pub mod kernels;
 pub mod libs;
 mod params;
+mod staging;
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
@@ -128,6 +129,8 @@ pub struct CudaBackend {
     attn_v1_only: AtomicBool,
     /// The flash kernels got their shared memory (see `init`).
     flash_ok: bool,
+    /// Pinned host memory for direct-mode copies of op inputs (staging.rs).
+    ring: Mutex<staging::PinnedRing>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -221,6 +224,7 @@ impl CudaBackend {
             profile: Mutex::new(Profile::default()),
             attn_v1_only: AtomicBool::new(std::env::var("RECALL_ATTN").is_ok_and(|v| v == "v1")),
             flash_ok,
+            ring: Mutex::new(staging::PinnedRing::new(staging::RING_HALF_BYTES)?),
         })
     }
 
@@ -434,12 +438,29 @@ impl CudaBackend {
                 return Ok(Staged { ptr, _keep: None });
             }
         }
-        let buf = self
-            .stream
-            .clone_htod(bytes)
-            .map_err(|e| cuda_err(format!("host to device copy: {e:?}")))?;
+        self.stage_direct(bytes)
+    }
+
+    /// A fresh device copy of `bytes` outside recorded steps, through the pinned ring (no stream
+    /// synchronisation, see staging.rs); arrays larger than a ring half go from pageable memory.
+    fn stage_direct(&self, bytes: &[u8]) -> Result<Staged> {
+        // SAFETY: `copy` below (or the pageable copy) writes all `bytes.len()` bytes before any op
+        // reads them: both are queued on this stream ahead of the op.
+        let buf = unsafe { self.stream.alloc::<u8>(bytes.len()) }
+            .map_err(|e| cuda_err(format!("alloc of {} bytes: {e:?}", bytes.len())))?;
+        let dst = self.ptr(&buf);
+        let pinned = self
+            .ring
+            .lock()
+            .map_err(|_| cuda_err("staging ring lock poisoned"))?
+            .copy(&self.ctx, &self.stream, bytes, dst)?;
+        if !pinned {
+            // SAFETY: `dst` holds `bytes.len()` bytes.
+            unsafe { drv::memcpy_htod_async(dst, bytes, self.stream.cu_stream()) }
+                .map_err(|e| cuda_err(format!("host to device copy: {e:?}")))?;
+        }
         Ok(Staged {
-            ptr: self.ptr(&buf),
+            ptr: dst,
             _keep: Some(buf),
         })
     }
