@@ -436,6 +436,25 @@ pub struct StepCounts {
     pub recorded: usize,
     pub replayed: usize,
     pub direct: usize,
+    /// Recordings that failed; the step then ran directly.
+    #[serde(default)]
+    pub failed_recordings: usize,
+    /// Step keys given up on after repeated failed recordings.
+    #[serde(default)]
+    pub given_up: usize,
+}
+
+impl StepCounts {
+    /// The counts since `earlier` (the backend's counters only grow).
+    fn since(self, earlier: StepCounts) -> StepCounts {
+        StepCounts {
+            recorded: self.recorded.saturating_sub(earlier.recorded),
+            replayed: self.replayed.saturating_sub(earlier.replayed),
+            direct: self.direct.saturating_sub(earlier.direct),
+            failed_recordings: self.failed_recordings.saturating_sub(earlier.failed_recordings),
+            given_up: self.given_up.saturating_sub(earlier.given_up),
+        }
+    }
 }
 
 impl From<crate::backend::StepStats> for StepCounts {
@@ -444,6 +463,8 @@ impl From<crate::backend::StepStats> for StepCounts {
             recorded: s.recorded,
             replayed: s.replayed,
             direct: s.direct,
+            failed_recordings: s.failed_recordings,
+            given_up: s.given_up,
         }
     }
 }
@@ -681,13 +702,13 @@ impl ReplayReport {
     fn line(&self) -> String {
         let s = &self.steps;
         let counts = format!(
-            "recorded {}, replayed {}, direct {}",
-            s.recorded, s.replayed, s.direct
+            "recorded {}, replayed {}, direct {}, failed recordings {}, keys given up {}",
+            s.recorded, s.replayed, s.direct, s.failed_recordings, s.given_up
         );
         match (self.off_ms_per_token, self.identical) {
             (Some(off), Some(same)) => format!(
-                "step replay on ({counts}): decode {:.3} ms/token with replay, {off:.3} without; \
-                 replay identical: {}",
+                "step replay on ({counts}): decode {:.3} ms/token with replay, {off:.3} without (the \
+                 baseline run); replay identical: {} (vs {REPLAY_COMPARED_WITH})",
                 self.ms_per_token,
                 yes_no(same)
             ),

@@ -38,6 +38,10 @@ const ALIGN: usize = 256;
 const ARENA_BYTES: usize = 256 << 20;
 /// Initial staging buffers.
 const STAGING_BYTES: usize = 1 << 20;
+/// Failed recordings of one step key before it runs directly for good. A key whose capture keeps
+/// failing (e.g. its host code reads device data) would otherwise be captured and then run again
+/// directly on every step: twice the host work, forever.
+const MAX_RECORD_FAILURES: u32 = 3;
 
 /// What launches do in the current step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -120,10 +124,23 @@ impl Drop for Lease {
     }
 }
 
+/// Failed recordings per step key, and the keys given up on.
+#[derive(Debug, Default)]
+struct Failures {
+    counts: HashMap<StepKey, u32>,
+    given_up: HashSet<StepKey>,
 }
 
+impl Failures {
+    /// Counts a failed recording of `key`; true when this failure makes it give up on the key.
+    fn fail(&mut self, key: StepKey) -> bool {
+        let n = self.counts.entry(key).or_insert(0);
+        *n += 1;
+        *n >= MAX_RECORD_FAILURES && self.given_up.insert(key)
     }
 
+    fn given_up(&self, key: StepKey) -> bool {
+        self.given_up.contains(&key)
     }
 }
 
@@ -156,6 +173,7 @@ pub(super) struct Steps {
     /// Keys run directly once already: the first step of a key warms up (cuBLASLt plans, lazily
     /// loaded library kernels) outside any capture; the second is recorded.
     warmed: HashSet<StepKey>,
+    failures: Failures,
     stats: StepStats,
 }
 
@@ -177,6 +195,7 @@ impl Steps {
             overflow: false,
             recordings: HashMap::new(),
             warmed: HashSet::new(),
+            failures: Failures::default(),
             stats: StepStats::default(),
         }
     }
@@ -299,7 +318,8 @@ impl Steps {
     /// Prepares a step: fresh step memory, empty staging, the trace to record or to compare with.
     /// Returns the mode the step runs in.
     pub(super) fn begin(&mut self, key: StepKey, stream: &Arc<CudaStream>) -> Result<Mode> {
-        if !self.enabled || (!self.recordings.contains_key(&key) && self.warmed.insert(key)) {
+        let first = |s: &mut Self| !s.recordings.contains_key(&key) && s.warmed.insert(key);
+        if !self.enabled || self.failures.given_up(key) || first(self) {
             self.stats.direct += 1;
             return Ok(Mode::Direct);
         }
@@ -373,6 +393,18 @@ impl Steps {
         self.recordings.insert(key, Recording { graph, trace });
         self.stats.recorded += 1;
         Ok(true)
+    }
+
+    /// A recording of `key` failed (the caller then runs the step directly): counted, and after
+    /// [`MAX_RECORD_FAILURES`] the key is given up on with a warning.
+    pub(super) fn record_failed(&mut self, key: StepKey) {
+        self.stats.failed_recordings += 1;
+        if self.failures.fail(key) {
+            self.stats.given_up += 1;
+            tracing::warn!(
+                "step {key:?}: recording failed {MAX_RECORD_FAILURES} times; running it directly from now on"
+            );
+        }
     }
 
     /// A failed recording or replay: back to direct mode (growing what overflowed).
@@ -454,7 +486,21 @@ pub(super) fn launch_hash(
 
 #[cfg(test)]
 mod tests {
-    use super::FirstFit;
+    use super::{Failures, FirstFit, MAX_RECORD_FAILURES};
+    use crate::backend::StepKey;
+
+    #[test]
+    fn a_key_is_given_up_after_repeated_failures_only() {
+        let (a, b) = (StepKey { rows: 1, tag: 0 }, StepKey { rows: 2, tag: 0 });
+        let mut f = Failures::default();
+        for i in 1..MAX_RECORD_FAILURES {
+            assert!(!f.fail(a), "gave up after {i} failures");
+            assert!(!f.given_up(a));
+        }
+        assert!(f.fail(a), "the last allowed failure gives up");
+        assert!(f.given_up(a) && !f.given_up(b), "only the failing key");
+        assert!(!f.fail(a), "given up once, counted once");
+    }
 
     #[test]
     fn first_fit_is_deterministic_and_coalesces() {

@@ -1167,7 +1167,10 @@ impl Backend for CudaBackend {
                 let recorded = r.is_ok() && self.steps()?.finish_record(key, g, &self.stream)?;
                 match r {
                     Ok(r) if recorded => Ok(r),
-                    _ => self.run_direct(key, f),
+                    _ => {
+                        self.steps()?.record_failed(key);
+                        self.run_direct(key, f)
+                    }
                 }
             }
         }
