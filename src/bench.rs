@@ -14,8 +14,10 @@
 //! * with step replay on ([`BenchArgs::step_replay`]), the decode once more with it off;
 //! * with [`BenchArgs::breakdown`], one more prefill and decode profiled per op or kernel.
 //!
-//! Every optimised path's greedy tokens are compared with the unoptimised path's, and the result is
-//! printed as "identical: yes/no". FLOPs and bytes are counted from the config (docs/BENCH.md).
+//! Every path's whole greedy output (every repeat) is compared with an independently computed
+//! baseline, plain decoding of the same prompt on a fresh engine (no prefix cache, no draft, step
+//! replay off), and the result is printed as "identical: yes/no" with what it was compared against.
+//! FLOPs and bytes are counted from the config (docs/BENCH.md).
 //!
 //! ```no_run
 //! let args = recall::bench::BenchArgs::tiny(std::path::Path::new("tests/fixtures/tiny-qwen3-vl"));
@@ -341,8 +343,12 @@ pub struct PrefillRow {
     pub tflops: f64,
     /// `tflop / peak_tflops`.
     pub floor_ms: f64,
-    /// The first generated token equals the other prefills' and pass 1's.
+    /// Every repeat's whole greedy output equals the baseline's for the pass-1 prompt (the prefill
+    /// is timed to the first token; the rest of the response is generated untimed for the check).
     pub identical: bool,
+    /// What `identical` compared with.
+    #[serde(default)]
+    pub compared_with: String,
 }
 
 /// Decode of pass 1 (plain path).
@@ -382,8 +388,11 @@ pub struct StepRow {
     pub reused_pass1: usize,
     pub reused_pass2: usize,
     pub accepted_draft: usize,
-    /// Both passes' tokens equal the plain variant's (and every repeat's equal the first's).
+    /// Every repeat's tokens of both passes equal the baseline's for the same prompts.
     pub identical: bool,
+    /// What `identical` compared with.
+    #[serde(default)]
+    pub compared_with: String,
     pub pass1_tokens: Vec<u32>,
     pub pass2_tokens: Vec<u32>,
 }
@@ -426,8 +435,11 @@ pub struct Breakdown {
     pub prefill_tokens: usize,
     /// Decode steps profiled.
     pub decode_steps: usize,
-    /// The profiled run's tokens equal plain pass 1's.
+    /// The profiled run's tokens equal the baseline's for the pass-1 prompt.
     pub identical: bool,
+    /// What `identical` compared with.
+    #[serde(default)]
+    pub compared_with: String,
 }
 
 /// The backend's step counters ([`crate::backend::StepStats`]).
@@ -436,6 +448,25 @@ pub struct StepCounts {
     pub recorded: usize,
     pub replayed: usize,
     pub direct: usize,
+    /// Recordings that failed; the step then ran directly.
+    #[serde(default)]
+    pub failed_recordings: usize,
+    /// Step keys given up on after repeated failed recordings.
+    #[serde(default)]
+    pub given_up: usize,
+}
+
+impl StepCounts {
+    /// The counts since `earlier` (the backend's counters only grow).
+    fn since(self, earlier: StepCounts) -> StepCounts {
+        StepCounts {
+            recorded: self.recorded.saturating_sub(earlier.recorded),
+            replayed: self.replayed.saturating_sub(earlier.replayed),
+            direct: self.direct.saturating_sub(earlier.direct),
+            failed_recordings: self.failed_recordings.saturating_sub(earlier.failed_recordings),
+            given_up: self.given_up.saturating_sub(earlier.given_up),
+        }
+    }
 }
 
 impl From<crate::backend::StepStats> for StepCounts {
@@ -444,6 +475,8 @@ impl From<crate::backend::StepStats> for StepCounts {
             recorded: s.recorded,
             replayed: s.replayed,
             direct: s.direct,
+            failed_recordings: s.failed_recordings,
+            given_up: s.given_up,
         }
     }
 }
@@ -455,12 +488,31 @@ pub struct ReplayReport {
     pub enabled: bool,
     /// Decode ms/token of the measurements (the decode row).
     pub ms_per_token: f64,
-    /// Decode ms/token of the plain pass 1 run once more with replay off (only when enabled).
+    /// Decode ms/token of the baseline's pass-1 run, the same prompt with replay off (only when
+    /// enabled).
     pub off_ms_per_token: Option<f64>,
-    /// That run's tokens equal the plain pass 1's with replay on (only when enabled).
+    /// The plain variant's pass 1 with replay on equals the baseline's (replay off) (only when
+    /// enabled).
     pub identical: Option<bool>,
-    /// The step counters after the measurements (before the replay-off run).
+    /// The step counters over the measurements (after the warm-up and the baseline).
     pub steps: StepCounts,
+}
+
+/// The reference of every identical flag: each prompt's greedy output from plain decoding on a fresh
+/// engine (no prefix cache, no draft, step replay off), computed once before the measurements and
+/// independently of every measured run.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Baseline {
+    /// How the baseline was computed.
+    pub method: String,
+    /// The pass-1 prompt's output (also the prefill rows', the decode row's, the breakdown's).
+    pub pass1_tokens: Vec<u32>,
+    /// The pass-2 prompt's output.
+    pub pass2_tokens: Vec<u32>,
+    /// The ScopeMem pass-2 prompt's output (its embedding prefix first).
+    pub scopemem_tokens: Vec<u32>,
+    /// Decode ms/token of the pass-1 run.
+    pub pass1_ms_per_token: f64,
 }
 
 /// Everything [`run_bench`] measured.
@@ -487,6 +539,9 @@ pub struct BenchReport {
     /// Step replay and its on/off check.
     #[serde(default)]
     pub replay: ReplayReport,
+    /// What every identical flag compares with.
+    #[serde(default)]
+    pub baseline: Baseline,
     /// The per-op profile (`--breakdown`).
     #[serde(default)]
     pub breakdown: Option<Breakdown>,
@@ -499,26 +554,27 @@ pub struct BenchReport {
 impl BenchReport {
     /// Every "identical" check by name.
     pub fn identical_flags(&self) -> Vec<(String, bool)> {
+        let flag = |what: String, with: &str, ok: bool| (format!("{what} vs {with}"), ok);
         let mut v: Vec<(String, bool)> = self
             .prefill
             .iter()
-            .map(|r| (format!("prefill {}", r.name), r.identical))
+            .map(|r| flag(format!("prefill {}", r.name), &r.compared_with, r.identical))
             .collect();
         v.extend(
             self.causalcache
                 .iter()
-                .map(|r| (format!("causalcache {}", r.name), r.identical)),
+                .map(|r| flag(format!("causalcache {}", r.name), &r.compared_with, r.identical)),
         );
         v.extend(
             self.scopemem
                 .iter()
-                .map(|r| (format!("scopemem {}", r.name), r.identical)),
+                .map(|r| flag(format!("scopemem {}", r.name), &r.compared_with, r.identical)),
         );
         if let Some(same) = self.replay.identical {
-            v.push(("decode with step replay vs without".into(), same));
+            v.push(flag("decode with step replay".into(), REPLAY_COMPARED_WITH, same));
         }
         if let Some(b) = &self.breakdown {
-            v.push(("breakdown run".into(), b.identical));
+            v.push(flag("breakdown run".into(), &b.compared_with, b.identical));
         }
         v
     }
@@ -660,6 +716,11 @@ impl BenchReport {
         }
         line(String::new());
         line(format!(
+            "identical = the whole greedy output ({} tokens per pass, every repeat) equals the baseline's \
+             for the same prompt: {}",
+            s.response_tokens, self.baseline.method
+        ));
+        line(format!(
             "identical greedy output on every path: {}   (wall {:.1} s)",
             yes(self.all_identical),
             self.wall_s
@@ -681,13 +742,13 @@ impl ReplayReport {
     fn line(&self) -> String {
         let s = &self.steps;
         let counts = format!(
-            "recorded {}, replayed {}, direct {}",
-            s.recorded, s.replayed, s.direct
+            "recorded {}, replayed {}, direct {}, failed recordings {}, keys given up {}",
+            s.recorded, s.replayed, s.direct, s.failed_recordings, s.given_up
         );
         match (self.off_ms_per_token, self.identical) {
             (Some(off), Some(same)) => format!(
-                "step replay on ({counts}): decode {:.3} ms/token with replay, {off:.3} without; \
-                 replay identical: {}",
+                "step replay on ({counts}): decode {:.3} ms/token with replay, {off:.3} without (the \
+                 baseline run); replay identical: {} (vs {REPLAY_COMPARED_WITH})",
                 self.ms_per_token,
                 yes_no(same)
             ),
@@ -1718,6 +1779,11 @@ fn bench_backend<B: Backend>(
         ctx.add_images(&mut e, 1..=t)?;
         ctx.generate(&mut e, &ctx.prompt(&pass1_layout), 2, Vec::new())?;
     }
+    let prompt1 = ctx.prompt(&pass1_layout);
+    let prompt2 = ctx.prompt(&pass2_layout);
+    let prompt_sm = ctx.prompt(&scopemem_layout);
+    let base = baseline(&ctx, [&prompt1, &prompt2, &prompt_sm])?;
+    let steps_before = StepCounts::from(be.step_stats());
 
     // Vision tower on one screenshot.
     let x = be.upload(
@@ -1747,49 +1813,37 @@ fn bench_backend<B: Backend>(
 
     // Prefills of the pass-1 prompt with 5, 1 and 0 screenshots through the tower.
     let mut prefill = Vec::new();
-    let prompt1 = ctx.prompt(&pass1_layout);
+    let shown: Vec<usize> = recent.iter().copied().chain(std::iter::once(t)).collect();
     for (name, cached) in [
         ("from scratch", Vec::new()),
         ("vision warm", recent.clone()),
         ("text only", (1..=t).collect::<Vec<_>>()),
     ] {
-        let mut times = Vec::new();
-        let mut firsts = Vec::new();
-        for _ in 0..reps {
-            let mut e = ctx.engine(true)?;
-            ctx.add_images(&mut e, cached.iter().copied())?;
-            let c = Instant::now();
-            for s in recent.iter().copied().chain(std::iter::once(t)) {
-                e.add_image(image_hash(args.seed, s), &ctx.images[s - 1])?;
-            }
-            let g = ctx.generate(&mut e, &prompt1, 1, Vec::new())?;
-            times.push(ms(c));
-            firsts.push(g.tokens[0]);
-        }
+        let runs = (0..reps)
+            .map(|_| timed_prefill(&ctx, &prompt1, &cached, &shown))
+            .collect::<Result<Vec<_>>>()?;
+        let times = runs.iter().map(|r| r.0).collect();
         let vision_images = args.budget + 1
             - cached.iter().filter(|s| **s != t && recent.contains(s)).count()
             - usize::from(cached.contains(&t));
         let flops = prefill_flops(text, 0, n1) + vision_images as f64 * v_flops;
         let ms_ = median(times);
-        prefill.push((
-            PrefillRow {
-                name: name.to_string(),
-                vision_images,
-                tokens: n1,
-                ms: ms_,
-                tflop: flops / 1e12,
-                tflops: flops / 1e9 / ms_.max(1e-9),
-                floor_ms: flops / 1e9 / args.peak_tflops,
-                identical: true,
-            },
-            firsts,
-        ));
+        prefill.push(PrefillRow {
+            name: name.to_string(),
+            vision_images,
+            tokens: n1,
+            ms: ms_,
+            tflop: flops / 1e12,
+            tflops: flops / 1e9 / ms_.max(1e-9),
+            floor_ms: flops / 1e9 / args.peak_tflops,
+            identical: runs.iter().all(|r| r.1 == base.pass1_tokens),
+            compared_with: format!("baseline pass 1 ({r} tokens)"),
+        });
     }
 
     // CausalCache two-pass step variants.
-    let prompt2 = ctx.prompt(&pass2_layout);
     let prev_prompt = ctx.prompt(&prev_layout);
-    let step = |reuse: bool, draft: Draft, oracle: &[u32]| -> Result<StepRun> {
+    let step = |reuse: bool, draft: Draft| -> Result<StepRun> {
         let mut e = ctx.engine(reuse)?;
         // Earlier steps: history screenshots encoded, the previous step's prompt computed.
         ctx.add_images(&mut e, 1..t)?;
@@ -1804,7 +1858,7 @@ fn bench_backend<B: Backend>(
         let draft = match draft {
             Draft::None => Vec::new(),
             Draft::Proposal => pass1.tokens.clone(),
-            Draft::Oracle => oracle.to_vec(),
+            Draft::Oracle => base.pass2_tokens.clone(),
         };
         let pass2 = ctx.generate(&mut e, &prompt2, r, draft)?;
         Ok(StepRun {
@@ -1822,24 +1876,27 @@ fn bench_backend<B: Backend>(
         ("reuse + oracle draft", true, Draft::Oracle),
     ];
     let mut causal = Vec::new();
-    let mut reference: Option<(Vec<u32>, Vec<u32>)> = None;
     let quick_skip =
         |name: &str| args.quick && (name == "prefix reuse" || name == "draft" || name == "scopemem");
+    let causal_base = Expected {
+        pass1: &base.pass1_tokens,
+        pass2: &base.pass2_tokens,
+        compared_with: "baseline pass 1 + pass 2",
+    };
     for (name, reuse, draft) in variants.into_iter().filter(|v| !quick_skip(v.0)) {
-        let oracle = reference.as_ref().map(|r| r.1.clone()).unwrap_or_default();
         let runs = (0..reps)
-            .map(|_| step(reuse, draft, &oracle))
+            .map(|_| step(reuse, draft))
             .collect::<Result<Vec<_>>>()?;
-        let reference =
-            reference.get_or_insert_with(|| (runs[0].pass1.tokens.clone(), runs[0].pass2.tokens.clone()));
-        causal.push(step_row(name, reuse, draft, &runs, Some(&*reference)));
+        causal.push(step_row(name, reuse, draft, &runs, &causal_base));
     }
-    let (ref1, _) = reference.unwrap_or_default();
 
     // ScopeMem-shaped step: pass 1 plain, pass 2 with a 16-row embedding prefix.
-    let prompt_sm = ctx.prompt(&scopemem_layout);
     let mut scopemem = Vec::new();
-    let mut sm_ref: Option<(Vec<u32>, Vec<u32>)> = Some((ref1.clone(), Vec::new()));
+    let sm_base = Expected {
+        pass1: &base.pass1_tokens,
+        pass2: &base.scopemem_tokens,
+        compared_with: "baseline pass 1 + ScopeMem pass 2",
+    };
     for (name, reuse) in [("scopemem", false), ("scopemem + reuse", true)]
         .into_iter()
         .filter(|v| !quick_skip(v.0))
@@ -1863,15 +1920,13 @@ fn bench_backend<B: Backend>(
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        if let Some(r) = sm_ref.as_mut().filter(|r| r.1.is_empty()) {
-            r.1 = runs[0].pass2.tokens.clone();
-        }
-        scopemem.push(step_row(name, reuse, Draft::None, &runs, sm_ref.as_ref()));
+        scopemem.push(step_row(name, reuse, Draft::None, &runs, &sm_base));
     }
 
     // Decode: pass 1 of the plain variant.
     let plain = &causal[0];
     let decode_ms = plain.pass1_decode_ms_per_token;
+    let plain_pass1 = plain.row.pass1_tokens.clone();
     let context = n1 + r / 2;
     let bytes = written.decode_params as f64 * 2.0 + context as f64 * kv_bytes_per_token(text, kv_elem_bytes);
     let decode = DecodeRow {
@@ -1883,22 +1938,14 @@ fn bench_backend<B: Backend>(
         floor_ms: bytes / 1e6 / args.peak_gbs,
     };
 
-    let replay = replay_check(&ctx, &prompt1, &ref1, decode_ms)?;
+    let steps = StepCounts::from(be.step_stats()).since(steps_before);
+    let replay = replay_report(args, &base, &plain_pass1, decode_ms, steps);
     let breakdown = if args.breakdown {
-        Some(breakdown_run(&ctx, &prompt1, &ref1)?)
+        Some(breakdown_run(&ctx, &prompt1, &base.pass1_tokens)?)
     } else {
         None
     };
 
-    // Prefill identity: the first token of every prefill equals pass 1's.
-    let first = ref1.first().copied();
-    let prefill: Vec<PrefillRow> = prefill
-        .into_iter()
-        .map(|(mut row, firsts)| {
-            row.identical = firsts.iter().all(|&f| Some(f) == first);
-            row
-        })
-        .collect();
     let causalcache: Vec<StepRow> = causal.into_iter().map(|r| r.row).collect();
     let scopemem: Vec<StepRow> = scopemem.into_iter().map(|r| r.row).collect();
     let all_identical = prefill.iter().all(|r| r.identical)
@@ -1943,6 +1990,7 @@ fn bench_backend<B: Backend>(
         causalcache,
         scopemem,
         replay,
+        baseline: base,
         breakdown,
         all_identical,
         wall_s: 0.0,
@@ -1955,19 +2003,30 @@ struct RowAndDecode {
     pass1_decode_ms_per_token: f64,
 }
 
+/// The baseline outputs a step row's passes must equal.
+struct Expected<'a> {
+    pass1: &'a [u32],
+    pass2: &'a [u32],
+    compared_with: &'static str,
+}
+
+impl Expected<'_> {
+    /// Every run's both passes equal the baseline's, token for token.
+    fn matched_by(&self, runs: &[StepRun]) -> bool {
+        runs.iter()
+            .all(|r| r.pass1.tokens == self.pass1 && r.pass2.tokens == self.pass2)
+    }
+}
+
 fn step_row(
     name: &str,
     reuse: bool,
     draft: Draft,
     runs: &[StepRun],
-    reference: Option<&(Vec<u32>, Vec<u32>)>,
+    expected: &Expected<'_>,
 ) -> RowAndDecode {
     let m = |f: &dyn Fn(&StepRun) -> f64| median(runs.iter().map(f).collect());
     let first = &runs[0];
-    let same_as_first = runs
-        .iter()
-        .all(|r| r.pass1.tokens == first.pass1.tokens && r.pass2.tokens == first.pass2.tokens);
-    let matches_ref = reference.is_none_or(|(p1, p2)| &first.pass1.tokens == p1 && &first.pass2.tokens == p2);
     let pass1_ms = m(&|r| r.pass1.total_ms);
     let pass2_ms = m(&|r| r.pass2.total_ms);
     let decode = m(&|r| r.pass1.decode_ms_per_token());
@@ -1987,7 +2046,8 @@ fn step_row(
             reused_pass1: first.pass1.reused,
             reused_pass2: first.pass2.reused,
             accepted_draft: first.pass2.accepted,
-            identical: same_as_first && matches_ref,
+            identical: expected.matched_by(runs),
+            compared_with: expected.compared_with.to_string(),
             pass1_tokens: first.pass1.tokens.clone(),
             pass2_tokens: first.pass2.tokens.clone(),
         },
@@ -1995,45 +2055,100 @@ fn step_row(
     }
 }
 
-/// The step's pass 1 on a fresh engine without prefix reuse, every screenshot cached (the decode
-/// of the plain variant's pass 1).
-fn plain_pass1<B: Backend>(ctx: &Ctx<'_, B>, prompt: &Prompt) -> Result<Gen> {
+/// How [`Baseline`] is computed.
+const BASELINE_METHOD: &str =
+    "plain decoding on a fresh engine, every screenshot encoded first: no prefix cache, no draft, step replay off";
+/// What the step-replay flag compares with.
+const REPLAY_COMPARED_WITH: &str = "baseline pass 1, replay off";
+
+/// `prompt` on a fresh engine without prefix reuse or draft, every screenshot encoded first,
+/// `response_tokens` tokens.
+fn plain_run<B: Backend>(ctx: &Ctx<'_, B>, prompt: &Prompt) -> Result<Gen> {
     let mut e = ctx.engine(false)?;
     ctx.add_images(&mut e, 1..=ctx.args.history + 1)?;
     ctx.generate(&mut e, prompt, ctx.args.response_tokens, Vec::new())
 }
 
-/// `--step-replay`: the backend's step counters after the measurements and, when replay is on, the
-/// plain pass 1 once more with it off, its decode rate and whether its tokens equal `reference`
-/// (the plain pass 1 with replay on).
-fn replay_check<B: Backend>(
+/// The baseline of the pass-1, pass-2 and ScopeMem prompts (in that order), step replay off
+/// whatever `--step-replay` says (its setting is restored after).
+fn baseline<B: Backend>(ctx: &Ctx<'_, B>, prompts: [&Prompt; 3]) -> Result<Baseline> {
+    ctx.be.set_step_replay(false);
+    let runs: Result<Vec<Gen>> = prompts.iter().map(|p| plain_run(ctx, p)).collect();
+    ctx.be.set_step_replay(ctx.args.step_replay);
+    let [p1, p2, sm]: [Gen; 3] = runs?
+        .try_into()
+        .map_err(|_| Error::InvalidRequest("bench baseline: three runs expected".into()))?;
+    Ok(Baseline {
+        method: BASELINE_METHOD.to_string(),
+        pass1_ms_per_token: p1.decode_ms_per_token(),
+        pass1_tokens: p1.tokens,
+        pass2_tokens: p2.tokens,
+        scopemem_tokens: sm.tokens,
+    })
+}
+
+/// One prefill row's run on a fresh engine with prefix caching and the `cached` screenshots already
+/// encoded: the screenshots in `shown` registered (the uncached ones go through the tower) and the
+/// prompt prefilled, timed to the first token; the rest of the response is generated untimed, for
+/// the identical check. Returns (ms to the first token, the whole output).
+fn timed_prefill<B: Backend>(
     ctx: &Ctx<'_, B>,
     prompt: &Prompt,
-    reference: &[u32],
-    ms_per_token: f64,
-) -> Result<ReplayReport> {
-    let mut report = ReplayReport {
-        enabled: ctx.args.step_replay,
-        ms_per_token,
-        off_ms_per_token: None,
-        identical: None,
-        steps: ctx.be.step_stats().into(),
-    };
-    if ctx.args.step_replay {
-        ctx.be.set_step_replay(false);
-        let off = plain_pass1(ctx, prompt);
-        ctx.be.set_step_replay(true);
-        let off = off?;
-        report.off_ms_per_token = Some(off.decode_ms_per_token());
-        report.identical = Some(off.tokens == reference);
+    cached: &[usize],
+    shown: &[usize],
+) -> Result<(f64, Vec<u32>)> {
+    let mut e = ctx.engine(true)?;
+    ctx.add_images(&mut e, cached.iter().copied())?;
+    let prefill_steps = ctx.prefill_steps(ctx.prompt_len(prompt)?);
+    let c = Instant::now();
+    for &s in shown {
+        e.add_image(image_hash(ctx.args.seed, s), &ctx.images[s - 1])?;
     }
-    Ok(report)
+    let mut first = None;
+    // The last prefill step ends with the first token's argmax read back: the device is synchronised.
+    let g = ctx.generate_with(
+        &mut e,
+        prompt,
+        ctx.args.response_tokens,
+        Vec::new(),
+        &mut |step| {
+            if step == prefill_steps {
+                first = Some(ms(c));
+            }
+            Ok(())
+        },
+    )?;
+    let first = first.ok_or_else(|| {
+        Error::InvalidRequest(format!(
+            "bench prefill: the generation ended before its {prefill_steps} prefill steps"
+        ))
+    })?;
+    Ok((first, g.tokens))
+}
+
+/// `--step-replay`: the backend's step counters over the measurements and, when replay is on, the
+/// plain variant's pass 1 (replay on) against the baseline's (replay off) and both decode rates.
+fn replay_report(
+    args: &BenchArgs,
+    base: &Baseline,
+    plain_pass1: &[u32],
+    ms_per_token: f64,
+    steps: StepCounts,
+) -> ReplayReport {
+    let on = args.step_replay;
+    ReplayReport {
+        enabled: on,
+        ms_per_token,
+        off_ms_per_token: on.then_some(base.pass1_ms_per_token),
+        identical: on.then(|| plain_pass1 == base.pass1_tokens),
+        steps,
+    }
 }
 
 /// `--breakdown`: the plain pass 1 once more with profiling on, the history screenshots cached.
 /// Phase 1 (prefill): the current screenshot through the tower and the prompt to its first token;
 /// phase 2 (decode): the remaining tokens. Each phase ends with a sync before its profile is taken.
-fn breakdown_run<B: Backend>(ctx: &Ctx<'_, B>, prompt: &Prompt, reference: &[u32]) -> Result<Breakdown> {
+fn breakdown_run<B: Backend>(ctx: &Ctx<'_, B>, prompt: &Prompt, baseline: &[u32]) -> Result<Breakdown> {
     let mut e = ctx.engine(false)?;
     ctx.add_images(&mut e, 1..=ctx.args.history)?;
     let prefill_tokens = ctx.prompt_len(prompt)?;
@@ -2048,7 +2163,8 @@ fn breakdown_run<B: Backend>(ctx: &Ctx<'_, B>, prompt: &Prompt, reference: &[u32
         decode: decode.1,
         prefill_tokens,
         decode_steps: gen.decode_steps,
-        identical: gen.tokens == reference,
+        identical: gen.tokens == baseline,
+        compared_with: "baseline pass 1".to_string(),
     })
 }
 
@@ -2138,4 +2254,42 @@ fn run_selector(args: &BenchArgs, t: usize) -> Result<(f64, Vec<usize>)> {
         alloc = recent_b(&ctx, args.budget);
     }
     Ok((elapsed, alloc))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Expected, Gen, StepRun};
+
+    fn run(pass1: &[u32], pass2: &[u32]) -> StepRun {
+        let gen = |tokens: &[u32]| Gen {
+            tokens: tokens.to_vec(),
+            prefill_ms: 1.0,
+            total_ms: 2.0,
+            decode_steps: 1,
+            reused: 0,
+            accepted: 0,
+        };
+        StepRun {
+            vision_ms: 0.0,
+            selector_ms: 0.0,
+            pass1: gen(pass1),
+            pass2: gen(pass2),
+        }
+    }
+
+    #[test]
+    fn a_row_is_identical_only_when_every_repeat_matches_the_baseline() {
+        let base = Expected {
+            pass1: &[1, 2, 3],
+            pass2: &[4, 5, 6],
+            compared_with: "baseline",
+        };
+        assert!(base.matched_by(&[run(&[1, 2, 3], &[4, 5, 6]), run(&[1, 2, 3], &[4, 5, 6])]));
+        // Runs that agree with each other but not with the baseline are not identical.
+        assert!(!base.matched_by(&[run(&[1, 2, 3], &[4, 5, 7]), run(&[1, 2, 3], &[4, 5, 7])]));
+        // A later token of pass 1 differs (not only the first token counts).
+        assert!(!base.matched_by(&[run(&[1, 2, 9], &[4, 5, 6])]));
+        // One repeat off.
+        assert!(!base.matched_by(&[run(&[1, 2, 3], &[4, 5, 6]), run(&[1, 2, 3], &[4, 6, 6])]));
+    }
 }

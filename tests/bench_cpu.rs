@@ -1,6 +1,7 @@
 //! `recall::bench` end to end on the CPU backend with the tiny Qwen3-VL config: random weights,
-//! every measurement, and every optimised path's greedy output identical to the plain path's (step
-//! replay on and off included). Timings are only checked to be positive (no thresholds), except that
+//! every measurement, and every path's whole greedy output identical to the baseline's (plain
+//! decoding of the same prompt on a fresh engine, computed apart from every measured run; step replay
+//! on and off included), each flag checked here against the tokens the report carries. Timings are only checked to be positive (no thresholds), except that
 //! the per-op profile of `--breakdown` sums to at most its phase's wall time: the ops run inside it.
 
 use std::path::Path;
@@ -15,15 +16,32 @@ fn fixture() -> &'static Path {
     ))
 }
 
-fn check(report: &BenchReport) {
+/// Every flag of the report says what it compared with, and the step rows' flags agree with the
+/// tokens the report carries: each pass equals the baseline's for its prompt, over the whole response.
+fn check_flags(report: &BenchReport) {
     for (name, identical) in report.identical_flags() {
         assert!(
-            identical,
-            "{name}: greedy output differs from the plain path\n{}",
+            identical && name.contains(" vs baseline"),
+            "{name}: greedy output differs from the baseline\n{}",
             report.to_table()
         );
     }
     assert!(report.all_identical);
+    let (b, n) = (&report.baseline, report.shapes.response_tokens);
+    assert!(!b.method.is_empty() && report.to_table().contains(&b.method));
+    for tokens in [&b.pass1_tokens, &b.pass2_tokens, &b.scopemem_tokens] {
+        assert_eq!(tokens.len(), n, "the baseline covers the whole response");
+    }
+    assert!(b.pass1_ms_per_token > 0.0);
+    let rows = report.causalcache.iter().map(|r| (r, &b.pass2_tokens));
+    for (r, pass2) in rows.chain(report.scopemem.iter().map(|r| (r, &b.scopemem_tokens))) {
+        let same = r.pass1_tokens == b.pass1_tokens && &r.pass2_tokens == pass2;
+        assert!(same && r.identical, "{}: {r:?} vs {b:?}", r.name);
+    }
+}
+
+fn check(report: &BenchReport) {
+    check_flags(report);
     let s = &report.shapes;
     assert!(s.pass1_tokens > 0 && s.pass2_tokens > 0 && s.scopemem_tokens == s.pass1_tokens + 16);
     assert_ne!(s.allocation, s.recent, "pass 2 must render another allocation");
@@ -61,7 +79,7 @@ fn check(report: &BenchReport) {
     // those of the previous step).
     let reuse = row("reuse + draft");
     assert!(reuse.reused_pass1 > 0 && reuse.reused_pass2 > 0, "{reuse:?}");
-    // The oracle draft is the plain pass 2 output: every draft token is accepted.
+    // The oracle draft is the baseline's pass 2 output: every draft token is accepted.
     let oracle = row("reuse + oracle draft");
     assert_eq!(oracle.accepted_draft, s.response_tokens);
     // The layout for tools/hf_bench.py: B + 1 screenshots.

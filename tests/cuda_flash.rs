@@ -1,6 +1,7 @@
 //! Parity of the tensor-core attention kernel (`kernels/flash_attention.cu`,
 //! `CudaBackend::paged_attention_flash` / `attention_segments_flash`) against the CPU reference and the
-//! v1 CUDA kernels, on random ~N(0, 1) inputs: paged prefill over shuffled block tables (several
+//! v1 CUDA kernels (`kernels/attention.cu`, called explicitly through `CudaBackend::paged_attention_v1`
+//! / `attention_segments_v1`, each also checked against the CPU), on random ~N(0, 1) inputs: paged prefill over shuffled block tables (several
 //! sequences, rows not a multiple of 64, sequences continuing after cached context, GQA 4:1 and 1:1,
 //! block sizes 16 and 32, head dims 128/80/72/64/32/16) and the segments mode of the vision towers
 //! (d 72/80/64/...). Bound: max |flash − reference| ≤ 2e-2 (bf16 inputs and output, f32 reference).
@@ -183,19 +184,24 @@ fn paged_flash_matches_cpu_and_v1() {
             let cpu = CpuBackend
                 .paged_attention(&c.q.cpu, &c.k.cpu, &c.v.cpu, c.shape, &batch)
                 .unwrap();
+            // The v1 kernel of attention.cu, called explicitly: the trait op would dispatch these
+            // shapes to flash and compare flash with itself.
             let v1 = g
-                .paged_attention(&c.q.gpu, &c.k.gpu, &c.v.gpu, c.shape, &batch)
+                .paged_attention_v1(&c.q.gpu, &c.k.gpu, &c.v.gpu, c.shape, &batch)
                 .unwrap();
-            let (e_cpu, e_v1) = (
+            let v1 = g.download(&v1).unwrap();
+            let (e_cpu, e_v1, e_v1_cpu) = (
                 max_abs_err(&got, &cpu.data),
-                max_abs_err(&got, &g.download(&v1).unwrap()),
+                max_abs_err(&got, &v1),
+                max_abs_err(&v1, &cpu.data),
             );
             eprintln!(
-                "paged flash {:<70} max err {e_cpu:.2e} (cpu) {e_v1:.2e} (v1)",
+                "paged flash {:<70} max err {e_cpu:.2e} (cpu) {e_v1:.2e} (v1); v1 vs cpu {e_v1_cpu:.2e}",
                 c.name()
             );
             assert!(e_cpu <= TOL, "{}: error {e_cpu} against the CPU", c.name());
             assert!(e_v1 <= TOL, "{}: error {e_v1} against v1", c.name());
+            assert!(e_v1_cpu <= TOL, "{}: v1 off the CPU by {e_v1_cpu}", c.name());
         }
     }
 }
@@ -291,15 +297,22 @@ fn segments_flash_matches_cpu_and_v1() {
             let cpu = CpuBackend
                 .attention_segments(&q.cpu, &k.cpu, &v.cpu, heads, &cu)
                 .unwrap();
-            let v1 = g.attention_segments(&q.gpu, &k.gpu, &v.gpu, heads, &cu).unwrap();
-            let (e_cpu, e_v1) = (
+            let v1 = g
+                .attention_segments_v1(&q.gpu, &k.gpu, &v.gpu, heads, &cu)
+                .unwrap();
+            let v1 = g.download(&v1).unwrap();
+            let (e_cpu, e_v1, e_v1_cpu) = (
                 max_abs_err(&got, &cpu.data),
-                max_abs_err(&got, &g.download(&v1).unwrap()),
+                max_abs_err(&got, &v1),
+                max_abs_err(&v1, &cpu.data),
             );
             let case = format!("{heads} × {d}, cu {cu:?}");
-            eprintln!("segments flash {case:<40} max err {e_cpu:.2e} (cpu) {e_v1:.2e} (v1)");
+            eprintln!(
+                "segments flash {case:<40} max err {e_cpu:.2e} (cpu) {e_v1:.2e} (v1); v1 vs cpu {e_v1_cpu:.2e}"
+            );
             assert!(e_cpu <= TOL, "{case}: error {e_cpu} against the CPU");
             assert!(e_v1 <= TOL, "{case}: error {e_v1} against v1");
+            assert!(e_v1_cpu <= TOL, "{case}: v1 off the CPU by {e_v1_cpu}");
         }
     }
 }

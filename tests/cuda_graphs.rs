@@ -1,14 +1,16 @@
 //! CUDA graphs for decode steps (src/backend/cuda/graph.rs) on the tiny Qwen3-VL: greedy generation of
 //! a batch with step replay on is bitwise identical (tokens and every decision's logits) to the same
-//! run with replay off, and replay actually happened (recorded and replayed steps counted). Skips
-//! without a usable GPU.
+//! run with replay off, and replay actually happened (recorded and replayed steps counted). Also:
+//! switching batch-invariant mode at run time makes the steps record again (the GEMM trace names the
+//! mode and the algorithm), and a step whose recording keeps failing is given up on after a bounded
+//! number of tries. Skips without a usable GPU.
 #![cfg(feature = "cuda")]
 
 mod common;
 
 use common::fixture;
 use recall::backend::cuda::CudaBackend;
-use recall::backend::Backend;
+use recall::backend::{Backend, StepKey};
 use recall::engine::{
     EngineConfig, GenerateParams, Outcome, Pipeline, Prompt, RequestOptions, Segment, Task,
 };
@@ -82,4 +84,84 @@ fn replayed_decode_steps_are_bitwise_the_direct_ones() {
             assert!(same, "logits of sequence {k}, decision {i}, differ bitwise");
         }
     }
+}
+
+fn same_bits(a: &Runs, b: &Runs) -> bool {
+    a.iter().zip(b).all(|(x, y)| {
+        x.0 == y.0
+            && x.1.len() == y.1.len()
+            && x.1
+                .iter()
+                .zip(&y.1)
+                .all(|(p, q)| p.iter().zip(q).all(|(u, v)| u.to_bits() == v.to_bits()))
+    })
+}
+
+#[test]
+fn switching_batch_invariant_mode_records_the_steps_again() {
+    let be = match CudaBackend::new(0) {
+        Ok(be) => be,
+        Err(e) => return eprintln!("SKIP (no usable GPU): {e}"),
+    };
+    let p = Pipeline::load(be, &fixture("tiny-qwen3-vl"), None).unwrap();
+    // v1 attention in both modes: only the GEMMs' algorithms change with the mode, so only the GEMM
+    // trace can tell the recordings of one mode from the other's.
+    p.backend.set_attention_v1_only(true);
+    let mut rng = fastrand::Rng::with_seed(10);
+    let prompts: Vec<Vec<u32>> = [12, 70]
+        .iter()
+        .map(|&n| (0..n).map(|_| rng.u32(0..1000)).collect())
+        .collect();
+    let lens = [10, 6];
+    p.backend.set_step_replay(true);
+    generate(&p, &prompts, &lens);
+    p.backend.set_batch_invariant(true);
+    let before = p.backend.step_stats();
+    let replayed = generate(&p, &prompts, &lens);
+    let after = p.backend.step_stats();
+    p.backend.set_step_replay(false);
+    let direct = generate(&p, &prompts, &lens);
+    eprintln!("step stats: before the switch {before:?}, after {after:?}");
+    assert!(
+        after.recorded > before.recorded,
+        "no step recorded after the switch: the other mode's graphs were replayed"
+    );
+    assert!(
+        after.replayed > before.replayed,
+        "nothing replayed in the new mode"
+    );
+    assert!(
+        same_bits(&replayed, &direct),
+        "replay in the new mode differs from its direct run"
+    );
+}
+
+#[test]
+fn a_step_whose_recording_keeps_failing_is_given_up() {
+    let be = match CudaBackend::new(0) {
+        Ok(be) => be,
+        Err(e) => return eprintln!("SKIP (no usable GPU): {e}"),
+    };
+    be.set_step_replay(true);
+    let key = StepKey { rows: 3, tag: 0xfa11 };
+    let before = be.step_stats();
+    let mut calls = 0;
+    // A host read inside a step cannot be recorded: every capture of this step fails.
+    let mut step = || {
+        calls += 1;
+        let t = be.upload(&[1.0, 2.0], 1, 2)?;
+        be.download(&t)
+    };
+    for i in 0..8 {
+        let out = be.run_step(key, &mut step).unwrap();
+        assert_eq!(out, vec![1.0, 2.0], "step {i}");
+    }
+    let s = be.step_stats();
+    eprintln!("step stats: before {before:?}, after {s:?}");
+    // One warm-up, three failed captures each followed by a direct run, then four direct runs.
+    assert_eq!(calls, 1 + 3 * 2 + 4);
+    assert_eq!(s.failed_recordings - before.failed_recordings, 3);
+    assert_eq!(s.given_up - before.given_up, 1);
+    assert_eq!(s.direct - before.direct, 8);
+    assert_eq!((s.recorded, s.replayed), (before.recorded, before.replayed));
 }

@@ -257,6 +257,39 @@ fn linear_matches_cpu() {
     eprintln!("cuBLASLt plans cached: {}", g.cached_gemm_plans());
 }
 
+/// `linear` over zero inputs is an empty sum: the bias in every row, zeros without one. The CPU is
+/// checked against that definition first (this part runs without a GPU), then the GPU against it,
+/// exactly (the bias values are exact in bf16).
+#[test]
+fn linear_with_no_inputs_is_the_bias() {
+    let (rows, out) = (3, 5);
+    let bias: Vec<f32> = (0..out).map(|i| i as f32 - 1.5).collect();
+    let w = Bf16Checkpoint::new(&[("w", vec![], vec![out, 0]), ("b", bias.clone(), vec![out])]);
+    let want: Vec<f32> = bias.iter().cycle().take(rows * out).copied().collect();
+    let zeros = vec![0f32; rows * out];
+    let cpu = |name: &str| CpuBackend.load_weight(w.ckpt.get(name).unwrap()).unwrap();
+    let (cw, cb) = (cpu("w"), cpu("b"));
+    let x = CpuBackend.upload(&[], rows, 0).unwrap();
+    assert_eq!(
+        CpuBackend.linear(&x, &cw, Some(&cb)).unwrap().data,
+        want,
+        "CPU with bias"
+    );
+    assert_eq!(
+        CpuBackend.linear(&x, &cw, None).unwrap().data,
+        zeros,
+        "CPU without bias"
+    );
+    let Some(g) = gpu() else { return };
+    let ((gw, _), (gb, _)) = (w.both(&g, "w"), w.both(&g, "b"));
+    let x = g.upload(&[], rows, 0).unwrap();
+    let with = g.linear(&x, &gw, Some(&gb)).unwrap();
+    assert_eq!(g.dims(&with), (rows, out));
+    assert_eq!(g.download(&with).unwrap(), want, "CUDA with bias");
+    let without = g.linear(&x, &gw, None).unwrap();
+    assert_eq!(g.download(&without).unwrap(), zeros, "CUDA without bias");
+}
+
 #[test]
 fn norms_match_cpu() {
     let Some(g) = gpu() else { return };
@@ -326,10 +359,65 @@ fn rope_matches_cpu() {
     }
 }
 
-/// A random batch over a shuffled block pool: `(rows, context_len)` per sequence.
+/// A paged attention entry point of the CUDA backend: the trait op (which dispatches to the newest
+/// kernel for the shape) or an explicit kernel.
+type PagedOp = fn(
+    &CudaBackend,
+    &CudaTensor,
+    &CudaTensor,
+    &CudaTensor,
+    AttnShape,
+    &[PagedSeq],
+) -> recall::Result<CudaTensor>;
+
+/// The trait op.
+const DISPATCHED: PagedOp = |g, q, k, v, s, b| g.paged_attention(q, k, v, s, b);
+/// The v1 kernel of attention.cu (the fallback), whatever the shape.
+const V1: PagedOp = |g, q, k, v, s, b| g.paged_attention_v1(q, k, v, s, b);
+
+/// Paged attention shapes: GQA 2:1 and 4:1 and 1:1, odd block sizes, head dims 16 to 128.
+const PAGED_SHAPES: [AttnShape; 4] = [
+    AttnShape {
+        q_heads: 4,
+        kv_heads: 2,
+        head_dim: 32,
+        block_size: 16,
+    },
+    AttnShape {
+        q_heads: 2,
+        kv_heads: 1,
+        head_dim: 16,
+        block_size: 3,
+    },
+    AttnShape {
+        q_heads: 8,
+        kv_heads: 2,
+        head_dim: 128,
+        block_size: 16,
+    },
+    AttnShape {
+        q_heads: 3,
+        kv_heads: 3,
+        head_dim: 72,
+        block_size: 5,
+    },
+];
+
+/// Prefill (with history), mixed chunked prefill + decode, pure decode (split-K), long decode.
+const PAGED_BATCHES: [&[(usize, usize)]; 5] = [
+    &[(7, 7)],
+    &[(5, 12), (1, 30), (17, 17)],
+    &[(1, 1), (1, 9), (1, 40)],
+    &[(1, 700), (1, 257), (1, 3)],
+    &[(1, 2049)],
+];
+
+/// A random batch over a shuffled block pool: `(rows, context_len)` per sequence; `op` on the GPU
+/// against the CPU, relative error.
 fn attention_case(
     g: &CudaBackend,
     rng: &mut fastrand::Rng,
+    op: PagedOp,
     shape: AttnShape,
     seqs: &[(usize, usize)],
 ) -> f32 {
@@ -352,7 +440,7 @@ fn attention_case(
             block_table: t,
         })
         .collect();
-    let got = g.paged_attention(&q.gpu, &k.gpu, &v.gpu, shape, &batch).unwrap();
+    let got = op(g, &q.gpu, &k.gpu, &v.gpu, shape, &batch).unwrap();
     let want = CpuBackend
         .paged_attention(&q.cpu, &k.cpu, &v.cpu, shape, &batch)
         .unwrap();
@@ -370,43 +458,9 @@ fn attention_case(
 fn paged_attention_matches_cpu() {
     let Some(g) = gpu() else { return };
     let mut rng = fastrand::Rng::with_seed(7);
-    let shapes = [
-        AttnShape {
-            q_heads: 4,
-            kv_heads: 2,
-            head_dim: 32,
-            block_size: 16,
-        },
-        AttnShape {
-            q_heads: 2,
-            kv_heads: 1,
-            head_dim: 16,
-            block_size: 3,
-        },
-        AttnShape {
-            q_heads: 8,
-            kv_heads: 2,
-            head_dim: 128,
-            block_size: 16,
-        },
-        AttnShape {
-            q_heads: 3,
-            kv_heads: 3,
-            head_dim: 72,
-            block_size: 5,
-        },
-    ];
-    for s in shapes {
-        // Prefill (with history), mixed chunked prefill + decode, pure decode (split-K), long decode.
-        let cases: [&[(usize, usize)]; 5] = [
-            &[(7, 7)],
-            &[(5, 12), (1, 30), (17, 17)],
-            &[(1, 1), (1, 9), (1, 40)],
-            &[(1, 700), (1, 257), (1, 3)],
-            &[(1, 2049)],
-        ];
-        for seqs in cases {
-            let err = attention_case(&g, &mut rng, s, seqs);
+    for s in PAGED_SHAPES {
+        for seqs in PAGED_BATCHES {
+            let err = attention_case(&g, &mut rng, DISPATCHED, s, seqs);
             assert!(
                 err <= BF16_TOL,
                 "paged_attention {s:?} {seqs:?}: relative error {err}"
@@ -430,6 +484,83 @@ fn paged_attention_matches_cpu() {
     assert!(g.paged_attention(&q, &kv, &kv, s, &seq).is_err());
 }
 
+/// The v1 kernel itself: the trait op reaches flash or decode v2 for every shape above, so without
+/// this test the fallback (unaligned operands, `RECALL_ATTN=v1`) would run in no test.
+#[test]
+fn paged_attention_v1_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut rng = fastrand::Rng::with_seed(17);
+    for s in PAGED_SHAPES {
+        for seqs in PAGED_BATCHES {
+            let err = attention_case(&g, &mut rng, V1, s, seqs);
+            assert!(
+                err <= BF16_TOL,
+                "paged_attention_v1 {s:?} {seqs:?}: relative error {err}"
+            );
+        }
+    }
+    let (q, kv) = (g.zeros(1, 256).unwrap(), g.zeros(4, 256).unwrap());
+    let s = AttnShape {
+        q_heads: 1,
+        kv_heads: 1,
+        head_dim: 256,
+        block_size: 4,
+    };
+    let seq = [PagedSeq {
+        rows: 1,
+        context_len: 1,
+        block_table: &[0],
+    }];
+    assert!(
+        g.paged_attention_v1(&q, &kv, &kv, s, &seq).is_err(),
+        "head_dim 256"
+    );
+}
+
+/// `RECALL_ATTN=v1` (here its run-time switch): the trait ops then give bitwise the v1 kernels'
+/// output on calls that are all prefill or all decode (a mixed call is split, so that its decode rows
+/// get split-K as in a decode step).
+#[test]
+fn forced_v1_mode_runs_the_v1_kernels() {
+    let Some(g) = gpu() else { return };
+    let mut rng = fastrand::Rng::with_seed(18);
+    let s = PAGED_SHAPES[2];
+    let bits = |t: &CudaTensor| -> Vec<u32> { g.download(t).unwrap().iter().map(|v| v.to_bits()).collect() };
+    for seqs in [&[(100usize, 130usize), (7, 7)][..], &[(1, 700), (1, 3)][..]] {
+        let blocks: Vec<usize> = seqs.iter().map(|&(_, c)| c.div_ceil(s.block_size)).collect();
+        let (tables, n) = shuffled_tables(&mut rng, &blocks, 3);
+        let kvd = s.kv_heads * s.head_dim;
+        let rows: usize = seqs.iter().map(|x| x.0).sum();
+        let q = rand_pair(&g, &mut rng, rows, s.q_heads * s.head_dim, 2.0).gpu;
+        let k = rand_pair(&g, &mut rng, n * s.block_size, kvd, 2.0).gpu;
+        let v = rand_pair(&g, &mut rng, n * s.block_size, kvd, 2.0).gpu;
+        let batch: Vec<PagedSeq> = seqs
+            .iter()
+            .zip(&tables)
+            .map(|(&(rows, context_len), t)| PagedSeq {
+                rows,
+                context_len,
+                block_table: t,
+            })
+            .collect();
+        let v1 = bits(&g.paged_attention_v1(&q, &k, &v, s, &batch).unwrap());
+        g.set_attention_v1_only(true);
+        let forced = g.paged_attention(&q, &k, &v, s, &batch).map(|t| bits(&t));
+        g.set_attention_v1_only(false);
+        assert!(
+            forced.unwrap() == v1,
+            "{seqs:?}: forced v1 differs from paged_attention_v1"
+        );
+    }
+    let [q, k, v] = [0; 3].map(|_| rand_pair(&g, &mut rng, 90, 2 * 64, 2.0).gpu);
+    let cu = [0usize, 30, 90];
+    let v1 = bits(&g.attention_segments_v1(&q, &k, &v, 2, &cu).unwrap());
+    g.set_attention_v1_only(true);
+    let forced = g.attention_segments(&q, &k, &v, 2, &cu).map(|t| bits(&t));
+    g.set_attention_v1_only(false);
+    assert!(forced.unwrap() == v1, "segments: forced v1 differs");
+}
+
 #[test]
 fn attention_segments_match_cpu() {
     let Some(g) = gpu() else { return };
@@ -448,6 +579,11 @@ fn attention_segments_match_cpu() {
                 .unwrap();
             let case = format!("{heads} × {d}, cu {cu:?}");
             check(&g, "attention_segments", &case, &got, &want, BF16_TOL);
+            // The v1 kernel explicitly (the trait op runs flash for every head dim here).
+            let v1 = g
+                .attention_segments_v1(&q.gpu, &k.gpu, &v.gpu, heads, &cu)
+                .unwrap();
+            check(&g, "attention_segments_v1", &case, &v1, &want, BF16_TOL);
         }
     }
 }

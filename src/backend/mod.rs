@@ -304,4 +304,8 @@ pub struct StepStats {
     pub replayed: usize,
     /// Steps run directly (replay off, unsupported, or the recording did not match).
     pub direct: usize,
+    /// Recordings that failed (the step then ran directly).
+    pub failed_recordings: usize,
+    /// Step keys given up on after repeated failed recordings: they always run directly.
+    pub given_up: usize,
 }

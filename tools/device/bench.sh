@@ -222,12 +222,14 @@ print("  ".join(str(x).ljust(w[i]) if i == 0 else str(x).rjust(w[i]) for i, x in
 for x in rows:
     print("  ".join(str(v).ljust(w[i]) if i == 0 else str(v).rjust(w[i]) for i, v in enumerate(x)))
 if r:
-    flags = [(p["name"], p["identical"]) for p in r["prefill"]] + \
-            [(s["name"], s["identical"]) for s in r["causalcache"] + r["scopemem"]]
+    vs = lambda row: f"{row['name']} vs {row.get('compared_with') or '?'}"
+    flags = [(vs(p), p["identical"]) for p in r["prefill"]] + \
+            [(vs(s), s["identical"]) for s in r["causalcache"] + r["scopemem"]]
     if (r.get("replay") or {}).get("identical") is not None:
-        flags.append(("replay on vs off", r["replay"]["identical"]))
+        flags.append(("replay on vs baseline pass 1 (replay off)", r["replay"]["identical"]))
     if r.get("breakdown"):
-        flags.append(("breakdown run", r["breakdown"]["identical"]))
+        flags.append((vs({"name": "breakdown run", **r["breakdown"]}), r["breakdown"]["identical"]))
     print("identical greedy output: " + ("yes" if r["all_identical"] else "NO") + "  (" +
           ", ".join(f"{n}: {'yes' if ok else 'NO'}" for n, ok in flags) + ")")
+    print(f"  baseline: {(r.get('baseline') or {}).get('method', '?')}; whole responses, every repeat")
 EOF

@@ -1,18 +1,26 @@
 #!/usr/bin/env bash
-# Per-kernel profile of a short `recall bench` run on the GPU: Nsight Compute with --clock-control none
-# (never change the card's clocks), a few metrics per launch, aggregated per kernel; Nsight Systems
-# instead with PROFILER=nsys (not on the PATH of the H200 image as last seen; see KINDS.md).
+# Profile of a short `recall bench` run on the GPU. Default (PROFILER=nsys): Nsight Systems traces the
+# run and tools/device/nsys_summary.py writes $OUT/profile-summary.txt, a text summary to commit: the
+# top kernels by GPU time and the launch gaps (GPU idle between operations: host work and launch
+# overhead). PROFILER=ncu: Nsight Compute with --clock-control none (never change the card's clocks),
+# a few metrics per launch (DRAM and SM throughput, tensor-pipe activity), aggregated per kernel.
 #
 # Here:        tools/device/bench.sh build                  # .device-bin/recall
 # Device call: carry [".device-bin"], timeout_s 400, command "bash tools/device/profile.sh"
 #
+# nsys is searched on the PATH, under the CUDA toolkit and /opt/nvidia. KINDS.md (2026-11-04) saw no
+# nsys on the PATH and the copy inside Nsight Compute write a .qdstrm it could not turn into a report;
+# the script then tries QdstrmImporter on it and, failing that, says so and exits 3 (rerun with
+# PROFILER=ncu).
+#
 # Env: CONFIG (models/qwen3-vl-8b-instruct) LAYERS (3: the fewest that take the 8B tower's 3 deepstack
-#      features) GRID (1x32x32) BUDGET (2) HISTORY (3) RESPONSE (8) SKIP (launches skipped first, 0)
-#      COUNT (launches profiled, 2000) TIMEOUT (s, 360) PROFILER (ncu | nsys)
-# Output: $OUT/profile.ncu-rep (or .nsys-rep), $OUT/profile-kernels.csv (raw rows), $OUT/profile.log;
-# prints the per-kernel summary last (launches, total and mean time, share, DRAM and SM throughput in
-# % of peak, tensor-pipe activity). Under ncu every launch is serialised and replayed, so times are
-# per kernel, not the bench's wall time; the bench's own numbers under the profiler are meaningless.
+#      features) GRID (1x32x32) BUDGET (2) HISTORY (3) RESPONSE (8) SKIP (ncu: launches skipped first,
+#      0) COUNT (ncu: launches profiled, 2000) TIMEOUT (s, 360) PROFILER (nsys | ncu)
+# Output: $OUT/profile.log; nsys: $OUT/profile.nsys-rep, $OUT/profile_cuda_gpu_trace.csv,
+# $OUT/profile-summary.txt (printed last); ncu: $OUT/profile.ncu-rep, $OUT/profile-kernels.csv and the
+# per-kernel table (launches, total and mean time, share, DRAM and SM throughput in % of peak,
+# tensor-pipe activity). Under ncu every launch is serialised and replayed, so times are per kernel,
+# not the bench's wall time; the bench's own numbers under either profiler are not headline numbers.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 bin=.device-bin
@@ -32,7 +40,7 @@ RESPONSE=${RESPONSE:-8}
 SKIP=${SKIP:-0}
 COUNT=${COUNT:-2000}
 TIMEOUT=${TIMEOUT:-360}
-PROFILER=${PROFILER:-ncu}
+PROFILER=${PROFILER:-nsys}
 dir=${OUT:-/tmp/recall-profile-out}
 mkdir -p "$dir"
 log=$dir/profile.log
@@ -52,11 +60,28 @@ run=("$bin/recall" bench --backend cuda --config-dir "$CONFIG" --layers "$LAYERS
 } | tee "$log"
 
 if [ "$PROFILER" = nsys ]; then
-    nsys=$(command -v nsys || ls /opt/nvidia/nsight-compute/*/host/target-linux-x64/nsys 2>/dev/null | head -1)
-    [ -n "$nsys" ] || { echo "nsys not found" | tee -a "$log"; exit 2; }
-    timeout "$TIMEOUT" "$nsys" profile -o "$dir/profile" --force-overwrite true --stats=true "${run[@]}" 2>&1 \
-        | tee -a "$log" | grep -A40 -E 'cuda_gpu_kern_sum|CUDA GPU Kernel Summary' | head -60
-    exit "${PIPESTATUS[0]}"
+    nsys=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems*/*/bin/nsys \
+        /opt/nvidia/nsight-compute/*/host/target-linux-x64/nsys 2>/dev/null | head -1)
+    [ -n "$nsys" ] || { echo "nsys not found (rerun with PROFILER=ncu)" | tee -a "$log"; exit 3; }
+    echo "== $nsys profile --trace=cuda" | tee -a "$log"
+    timeout "$TIMEOUT" "$nsys" profile --trace=cuda --sample=none --cpuctxsw=none -o "$dir/profile" \
+        --force-overwrite true "${run[@]}" >>"$log" 2>&1
+    echo "== nsys exit $?" | tee -a "$log"
+    if [ ! -s "$dir/profile.nsys-rep" ] && [ -s "$dir/profile.qdstrm" ]; then
+        importer=$(ls "$(dirname "$nsys")"/QdstrmImporter /usr/local/cuda*/bin/QdstrmImporter \
+            /opt/nvidia/nsight-*/*/host/*/QdstrmImporter 2>/dev/null | head -1)
+        [ -n "$importer" ] && "$importer" -i "$dir/profile.qdstrm" >>"$log" 2>&1
+    fi
+    [ -s "$dir/profile.nsys-rep" ] || { tail -20 "$log"; echo "no nsys report (rerun with PROFILER=ncu)"; exit 3; }
+    "$nsys" stats --report cuda_gpu_trace --format csv --force-export=true --output "$dir/profile" \
+        "$dir/profile.nsys-rep" >>"$log" 2>&1
+    {
+        sed -n 1,4p "$log"
+        echo
+        python3 tools/device/nsys_summary.py "$dir/profile_cuda_gpu_trace.csv"
+    } >"$dir/profile-summary.txt" 2>&1
+    cat "$dir/profile-summary.txt"
+    exit 0
 fi
 
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)

@@ -274,24 +274,14 @@ impl Lt {
         }
     }
 
-    /// `y = x · Wᵀ (+ bias)`: `x` `[n, inner]`, `w` `[out, inner]`, `bias` `[out]`, `y` `[n, out]`.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn linear(
-        &self,
-        stream: &Arc<CudaStream>,
-        x: u64,
-        w: u64,
-        bias: Option<u64>,
-        y: u64,
-        n: usize,
-        out: usize,
-        inner: usize,
-    ) -> Result<()> {
+    /// The plan for a GEMM of this shape in the current mode (planned now if new): what
+    /// [`linear`](Self::linear) runs, and a tag naming its algorithm for step traces.
+    pub(super) fn prepare(&self, n: usize, out: usize, inner: usize, bias: bool) -> Result<PlanId> {
         let key = Key {
             n,
             out,
             inner,
-            bias: bias.is_some(),
+            bias,
             invariant: self.batch_invariant(),
         };
         let mut st = self
@@ -303,12 +293,29 @@ impl Lt {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => e.insert(Self::plan(handle, key)?),
         };
+        Ok(PlanId {
+            key,
+            tag: plan_tag(key.invariant, &plan.algo.data),
+        })
+    }
+
+    /// `y = x · Wᵀ (+ bias)` with a plan from [`prepare`](Self::prepare): `x` `[n, inner]`, `w`
+    /// `[out, inner]`, `bias` `[out]`, `y` `[n, out]`.
+    pub(super) fn linear(&self, stream: &Arc<CudaStream>, id: &PlanId, o: Operands) -> Result<()> {
+        let st = self
+            .state
+            .lock()
+            .map_err(|_| cuda_err("cuBLASLt state poisoned"))?;
+        let plan = st
+            .plans
+            .get(&id.key)
+            .ok_or_else(|| cuda_err("cuBLASLt plan vanished"))?;
         let (alpha, beta) = (1f32, 0f32);
         let (ws, _guard) = self.workspace.device_ptr(stream);
         // SAFETY: the plan's descriptors describe exactly these buffers (sizes checked by the caller);
         // the bias pointer attribute is set under the same lock as the matmul that reads it.
         unsafe {
-            if let Some(b) = bias {
+            if let Some(b) = o.bias {
                 lt::set_matmul_desc_attribute(
                     plan.desc,
                     sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
@@ -318,17 +325,17 @@ impl Lt {
                 .map_err(|e| lt_err("BIAS_POINTER", e))?;
             }
             lt::matmul(
-                handle,
+                st.handle,
                 plan.desc,
                 (&alpha as *const f32).cast(),
                 (&beta as *const f32).cast(),
-                w as *const c_void,
+                o.w as *const c_void,
                 plan.a,
-                x as *const c_void,
+                o.x as *const c_void,
                 plan.b,
-                y as *const c_void,
+                o.y as *const c_void,
                 plan.d,
-                y as *mut c_void,
+                o.y as *mut c_void,
                 plan.d,
                 &plan.algo,
                 ws as *mut c_void,
@@ -337,5 +344,51 @@ impl Lt {
             )
             .map_err(|e| lt_err("matmul", e))
         }
+    }
+}
+
+/// A planned GEMM shape (see [`Lt::prepare`]).
+pub(super) struct PlanId {
+    key: Key,
+    tag: u64,
+}
+
+impl PlanId {
+    /// Names the mode and the algorithm (its configuration bytes): equal tags, the same GEMM.
+    pub(super) fn tag(&self) -> u64 {
+        self.tag
+    }
+}
+
+/// Device addresses of one GEMM's operands.
+pub(super) struct Operands {
+    pub x: u64,
+    pub w: u64,
+    pub bias: Option<u64>,
+    pub y: u64,
+}
+
+/// Hash of the batch-invariant flag and a `cublasLtMatmulAlgo_t`'s configuration words.
+fn plan_tag(invariant: bool, algo: &[u64; 8]) -> u64 {
+    let mut h = xxhash_rust::xxh64::Xxh64::new(0);
+    h.update(&[u8::from(invariant)]);
+    for w in algo {
+        h.update(&w.to_le_bytes());
+    }
+    h.digest()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::plan_tag;
+
+    #[test]
+    fn plan_tags_tell_modes_and_algorithms_apart() {
+        let algo = [7u64, 1, 0, 0, 0, 0, 0, 3];
+        let mut other = algo;
+        other[7] = 4;
+        assert_eq!(plan_tag(false, &algo), plan_tag(false, &algo));
+        assert_ne!(plan_tag(false, &algo), plan_tag(true, &algo));
+        assert_ne!(plan_tag(false, &algo), plan_tag(false, &other));
     }
 }

@@ -27,6 +27,7 @@ use cudarc::driver::{result, sys, CudaGraph, CudaSlice, CudaStream, DevicePtr};
 use xxhash_rust::xxh64::Xxh64;
 
 use super::libs::cuda_err;
+use super::staging::Pinned;
 use crate::backend::{StepKey, StepStats};
 use crate::error::Result;
 
@@ -37,6 +38,10 @@ const ALIGN: usize = 256;
 const ARENA_BYTES: usize = 256 << 20;
 /// Initial staging buffers.
 const STAGING_BYTES: usize = 1 << 20;
+/// Failed recordings of one step key before it runs directly for good. A key whose capture keeps
+/// failing (e.g. its host code reads device data) would otherwise be captured and then run again
+/// directly on every step: twice the host work, forever.
+const MAX_RECORD_FAILURES: u32 = 3;
 
 /// What launches do in the current step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,33 +124,23 @@ impl Drop for Lease {
     }
 }
 
-/// Pinned host memory (page-locked, so the copy before a replay is a true async DMA).
-struct Pinned {
-    ptr: *mut u8,
-    len: usize,
+/// Failed recordings per step key, and the keys given up on.
+#[derive(Debug, Default)]
+struct Failures {
+    counts: HashMap<StepKey, u32>,
+    given_up: HashSet<StepKey>,
 }
 
-// SAFETY: the pointer is owned by this struct and only used under the step mutex.
-unsafe impl Send for Pinned {}
-
-impl Pinned {
-    fn new(len: usize) -> Result<Self> {
-        // SAFETY: a fresh page-locked allocation of `len` bytes, freed once in Drop.
-        let ptr =
-            unsafe { result::malloc_host(len, 0) }.map_err(|e| cuda_err(format!("pinned alloc: {e:?}")))?;
-        Ok(Pinned {
-            ptr: ptr as *mut u8,
-            len,
-        })
+impl Failures {
+    /// Counts a failed recording of `key`; true when this failure makes it give up on the key.
+    fn fail(&mut self, key: StepKey) -> bool {
+        let n = self.counts.entry(key).or_insert(0);
+        *n += 1;
+        *n >= MAX_RECORD_FAILURES && self.given_up.insert(key)
     }
-}
 
-impl Drop for Pinned {
-    fn drop(&mut self) {
-        // SAFETY: allocated by `malloc_host` in `new`.
-        unsafe {
-            let _ = result::free_host(self.ptr as *mut std::ffi::c_void);
-        }
+    fn given_up(&self, key: StepKey) -> bool {
+        self.given_up.contains(&key)
     }
 }
 
@@ -178,6 +173,7 @@ pub(super) struct Steps {
     /// Keys run directly once already: the first step of a key warms up (cuBLASLt plans, lazily
     /// loaded library kernels) outside any capture; the second is recorded.
     warmed: HashSet<StepKey>,
+    failures: Failures,
     stats: StepStats,
 }
 
@@ -199,6 +195,7 @@ impl Steps {
             overflow: false,
             recordings: HashMap::new(),
             warmed: HashSet::new(),
+            failures: Failures::default(),
             stats: StepStats::default(),
         }
     }
@@ -274,13 +271,13 @@ impl Steps {
                 let off = self.staged;
                 let end = off + bytes.len();
                 let pinned = self.pinned.as_ref()?;
-                if end > pinned.len {
+                if end > pinned.len() {
                     self.overflow = true;
                     return None;
                 }
                 // SAFETY: `off..end` lies inside the pinned buffer, which no copy reads concurrently
                 // (the previous step's copy completed: `begin` synchronises on it).
-                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), pinned.ptr.add(off), bytes.len()) };
+                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), pinned.ptr().add(off), bytes.len()) };
                 self.staged = end.div_ceil(ALIGN) * ALIGN;
                 if dedup.is_some() {
                     self.memo.insert(key, off);
@@ -297,8 +294,8 @@ impl Steps {
     fn staged_bytes(&self, off: usize, len: usize) -> Option<&[u8]> {
         let pinned = self.pinned.as_ref()?;
         // SAFETY: only offsets below `staged` (inside the buffer, written this step) are asked for.
-        (off + len <= self.staged.min(pinned.len))
-            .then(|| unsafe { std::slice::from_raw_parts(pinned.ptr.add(off), len) })
+        (off + len <= self.staged.min(pinned.len()))
+            .then(|| unsafe { std::slice::from_raw_parts(pinned.ptr().add(off), len) })
     }
 
     fn ensure_buffers(&mut self, stream: &Arc<CudaStream>) -> Result<()> {
@@ -321,7 +318,8 @@ impl Steps {
     /// Prepares a step: fresh step memory, empty staging, the trace to record or to compare with.
     /// Returns the mode the step runs in.
     pub(super) fn begin(&mut self, key: StepKey, stream: &Arc<CudaStream>) -> Result<Mode> {
-        if !self.enabled || (!self.recordings.contains_key(&key) && self.warmed.insert(key)) {
+        let first = |s: &mut Self| !s.recordings.contains_key(&key) && s.warmed.insert(key);
+        if !self.enabled || self.failures.given_up(key) || first(self) {
             self.stats.direct += 1;
             return Ok(Mode::Direct);
         }
@@ -397,6 +395,18 @@ impl Steps {
         Ok(true)
     }
 
+    /// A recording of `key` failed (the caller then runs the step directly): counted, and after
+    /// [`MAX_RECORD_FAILURES`] the key is given up on with a warning.
+    pub(super) fn record_failed(&mut self, key: StepKey) {
+        self.stats.failed_recordings += 1;
+        if self.failures.fail(key) {
+            self.stats.given_up += 1;
+            tracing::warn!(
+                "step {key:?}: recording failed {MAX_RECORD_FAILURES} times; running it directly from now on"
+            );
+        }
+    }
+
     /// A failed recording or replay: back to direct mode (growing what overflowed).
     pub(super) fn abandon(&mut self, key: StepKey) {
         self.mode = Mode::Direct;
@@ -433,7 +443,7 @@ impl Steps {
         let (dst, _) = dev.device_ptr(stream);
         // SAFETY: both buffers hold at least `staged` bytes; the pinned buffer is not written again
         // before the next `begin`, which synchronises the stream first.
-        let src = unsafe { std::slice::from_raw_parts(pinned.ptr, self.staged) };
+        let src = unsafe { std::slice::from_raw_parts(pinned.ptr(), self.staged) };
         unsafe { result::memcpy_htod_async(dst, src, stream.cu_stream()) }
             .map_err(|e| cuda_err(format!("staging copy: {e:?}")))
     }
@@ -476,7 +486,21 @@ pub(super) fn launch_hash(
 
 #[cfg(test)]
 mod tests {
-    use super::FirstFit;
+    use super::{Failures, FirstFit, MAX_RECORD_FAILURES};
+    use crate::backend::StepKey;
+
+    #[test]
+    fn a_key_is_given_up_after_repeated_failures_only() {
+        let (a, b) = (StepKey { rows: 1, tag: 0 }, StepKey { rows: 2, tag: 0 });
+        let mut f = Failures::default();
+        for i in 1..MAX_RECORD_FAILURES {
+            assert!(!f.fail(a), "gave up after {i} failures");
+            assert!(!f.given_up(a));
+        }
+        assert!(f.fail(a), "the last allowed failure gives up");
+        assert!(f.given_up(a) && !f.given_up(b), "only the failing key");
+        assert!(!f.fail(a), "given up once, counted once");
+    }
 
     #[test]
     fn first_fit_is_deterministic_and_coalesces() {

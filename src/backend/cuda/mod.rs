@@ -11,6 +11,7 @@
 //! kernels receive raw device addresses in `#[repr(C)]` parameter structs ([`params`]). Every argument
 //! is validated on the host before a launch, as in the CPU backend.
 
+mod attention_v1;
 mod blas;
 mod decode;
 mod flash;
@@ -19,6 +20,7 @@ mod graph;
 pub mod kernels;
 pub mod libs;
 mod params;
+mod staging;
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
@@ -31,6 +33,7 @@ use cudarc::driver::{
 };
 use half::bf16;
 
+use attention_v1::{check_paged, check_segments};
 pub use kernels::{compile_all, KernelSource, SOURCES};
 use libs::cuda_err;
 use params::Traced;
@@ -41,14 +44,6 @@ use super::{AttnShape, Backend, Gelu, OpTime, PagedSeq, StepKey, StepStats};
 use crate::error::{Error, Result};
 use crate::model::loader::{Dtype, Fill, TensorRef};
 
-/// Keys per split of split-K decode attention.
-const DECODE_CHUNK: usize = 256;
-/// Most splits of one decode row.
-const MAX_SPLITS: usize = 64;
-/// Largest head dimension the v1 attention kernels hold in registers (4 per lane).
-const MAX_HEAD_DIM: usize = 128;
-/// Warps per block of the attention kernels (one (row, head) each).
-const ATTN_WARPS: u32 = 4;
 /// A bf16 quiet NaN, written into fresh outputs when poisoning is on.
 const BF16_NAN: u32 = 0x7fc0;
 
@@ -128,11 +123,14 @@ pub struct CudaBackend {
     device_name: String,
     steps: Mutex<graph::Steps>,
     profile: Mutex<Profile>,
-    /// `RECALL_ATTN=v1`: use only the v1 attention kernels (the reference the v2 ones are checked
-    /// against), e.g. to bisect a suspected kernel bug on a device.
-    attn_v1_only: bool,
+    /// `RECALL_ATTN=v1` (or [`CudaBackend::set_attention_v1_only`]): use only the v1 attention
+    /// kernels (the reference the v2 ones are checked against), e.g. to bisect a suspected kernel bug
+    /// on a device.
+    attn_v1_only: AtomicBool,
     /// The flash kernels got their shared memory (see `init`).
     flash_ok: bool,
+    /// Pinned host memory for direct-mode copies of op inputs (staging.rs).
+    ring: Mutex<staging::PinnedRing>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -162,14 +160,6 @@ fn grid_rows(rows: usize, width: usize, max: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (rows as u32, 1, 1),
         block_dim: (width.div_ceil(32).clamp(1, max / 32) as u32 * 32, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-fn grid_warps(items: usize, splits: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (items.div_ceil(ATTN_WARPS as usize) as u32, splits as u32, 1),
-        block_dim: (32 * ATTN_WARPS, 1, 1),
         shared_mem_bytes: 0,
     }
 }
@@ -232,8 +222,9 @@ impl CudaBackend {
             device_name,
             steps: Mutex::new(graph::Steps::new()),
             profile: Mutex::new(Profile::default()),
-            attn_v1_only: std::env::var("RECALL_ATTN").is_ok_and(|v| v == "v1"),
+            attn_v1_only: AtomicBool::new(std::env::var("RECALL_ATTN").is_ok_and(|v| v == "v1")),
             flash_ok,
+            ring: Mutex::new(staging::PinnedRing::new(staging::RING_HALF_BYTES)?),
         })
     }
 
@@ -447,12 +438,29 @@ impl CudaBackend {
                 return Ok(Staged { ptr, _keep: None });
             }
         }
-        let buf = self
-            .stream
-            .clone_htod(bytes)
-            .map_err(|e| cuda_err(format!("host to device copy: {e:?}")))?;
+        self.stage_direct(bytes)
+    }
+
+    /// A fresh device copy of `bytes` outside recorded steps, through the pinned ring (no stream
+    /// synchronisation, see staging.rs); arrays larger than a ring half go from pageable memory.
+    fn stage_direct(&self, bytes: &[u8]) -> Result<Staged> {
+        // SAFETY: `copy` below (or the pageable copy) writes all `bytes.len()` bytes before any op
+        // reads them: both are queued on this stream ahead of the op.
+        let buf = unsafe { self.stream.alloc::<u8>(bytes.len()) }
+            .map_err(|e| cuda_err(format!("alloc of {} bytes: {e:?}", bytes.len())))?;
+        let dst = self.ptr(&buf);
+        let pinned = self
+            .ring
+            .lock()
+            .map_err(|_| cuda_err("staging ring lock poisoned"))?
+            .copy(&self.ctx, &self.stream, bytes, dst)?;
+        if !pinned {
+            // SAFETY: `dst` holds `bytes.len()` bytes.
+            unsafe { drv::memcpy_htod_async(dst, bytes, self.stream.cu_stream()) }
+                .map_err(|e| cuda_err(format!("host to device copy: {e:?}")))?;
+        }
         Ok(Staged {
-            ptr: self.ptr(&buf),
+            ptr: dst,
             _keep: Some(buf),
         })
     }
@@ -646,6 +654,12 @@ impl CudaBackend {
         }
         Ok(out)
     }
+
+    /// `rows` copies of a 1-D weight as a `[rows, len]` tensor (one gather of row 0).
+    fn broadcast_row(&self, row: &CudaWeight, rows: usize) -> Result<CudaTensor> {
+        let index = self.stage(&vec![0u32; rows])?;
+        self.gather(self.ptr(&row.buf), &index, rows, row.len())
+    }
 }
 
 /// Host-side conversion of a checkpoint tensor to bf16 (round to nearest even, as torch's `.to()`).
@@ -704,7 +718,12 @@ impl Backend for CudaBackend {
         if let Some((fill, first)) = t.synthetic() {
             return self.synthetic_weight(&t.shape, fill, first);
         }
-        let host = to_bf16(t);
+        let mut host = to_bf16(t);
+        // An empty tensor (e.g. a weight with no inputs) still gets one element: the driver refuses
+        // zero-byte allocations.
+        if host.is_empty() {
+            host.push(bf16::ZERO);
+        }
         let buf = self
             .stream
             .clone_htod(&host)
@@ -796,16 +815,24 @@ impl Backend for CudaBackend {
     fn linear(&self, x: &CudaTensor, w: &CudaWeight, bias: Option<&CudaWeight>) -> Result<CudaTensor> {
         let out = check::linear(x.cols, &w.shape, bias.map(|b| &b.shape[..]))?;
         let inner = x.cols;
-        let y = self.alloc_tensor(x.rows, out)?;
         if x.rows == 0 || out == 0 {
-            return Ok(y);
+            return self.alloc_tensor(x.rows, out);
         }
         if inner == 0 {
-            return self.zeros(x.rows, out);
+            // An empty sum: every row is the bias (zeros without one), as on the CPU; cuBLASLt has no
+            // k = 0 GEMM.
+            return match bias {
+                Some(b) => self.broadcast_row(b, x.rows),
+                None => self.zeros(x.rows, out),
+            };
         }
+        // Planned before hashing: the trace must change when the algorithm does (batch-invariant mode
+        // switched at run time), or a replay would run GEMMs the direct path no longer chooses.
+        let plan = self.lt.prepare(x.rows, out, inner, bias.is_some())?;
+        let y = self.alloc_tensor(x.rows, out)?;
         let bias = bias.map(|b| self.ptr(&b.buf));
         let hash = graph::launch_hash("gemm", (0, 0, 0), (0, 0, 0), 0, |h| {
-            for v in [x.ptr(), self.ptr(&w.buf), bias.unwrap_or(0), y.ptr()] {
+            for v in [x.ptr(), self.ptr(&w.buf), bias.unwrap_or(0), y.ptr(), plan.tag()] {
                 h.update(&v.to_le_bytes());
             }
             for v in [x.rows, out, inner] {
@@ -816,16 +843,13 @@ impl Backend for CudaBackend {
             return Ok(y);
         }
         let timer = self.profile_start()?;
-        self.lt.linear(
-            &self.stream,
-            x.ptr(),
-            self.ptr(&w.buf),
+        let operands = blas::Operands {
+            x: x.ptr(),
+            w: self.ptr(&w.buf),
             bias,
-            y.ptr(),
-            x.rows,
-            out,
-            inner,
-        )?;
+            y: y.ptr(),
+        };
+        self.lt.linear(&self.stream, &plan, operands)?;
         self.profile_end("gemm", timer)?;
         Ok(y)
     }
@@ -881,15 +905,9 @@ impl Backend for CudaBackend {
         s: AttnShape,
         seqs: &[PagedSeq<'_>],
     ) -> Result<CudaTensor> {
-        check::paged_attention((q.rows, q.cols), (k.rows, k.cols), (v.rows, v.cols), s, seqs)?;
+        check_paged(q, k, v, s, seqs)?;
         let rows = q.rows;
-        if s.head_dim == 0 || s.head_dim > MAX_HEAD_DIM {
-            return Err(shape_err(
-                "paged_attention",
-                format!("head_dim {} (at most {MAX_HEAD_DIM})", s.head_dim),
-            ));
-        }
-        if rows > 0 && !self.attn_v1_only && self.flash_ok && self.batch_invariant() {
+        if rows > 0 && !self.attention_v1_only() && self.flash_ok && self.batch_invariant() {
             // One kernel for every row, whatever its sequence: results independent of the batch.
             if let Some(out) = self.paged_attention_flash(q, k, v, s, seqs)? {
                 return Ok(out);
@@ -901,7 +919,7 @@ impl Backend for CudaBackend {
         }
         // Pure decode calls take split-K, calls of prefill rows the tensor-core flash kernel; mixed
         // calls are split into one of each above, so a row's kernel depends on its own sequence only.
-        if rows > 0 && !self.attn_v1_only {
+        if rows > 0 && !self.attention_v1_only() {
             let v2 = if decode {
                 self.paged_decode_v2(q, k, v, s, seqs)?
             } else {
@@ -914,75 +932,7 @@ impl Backend for CudaBackend {
                 return Ok(out);
             }
         }
-        let out = self.alloc_tensor(q.rows, q.cols)?;
-        if rows == 0 {
-            return Ok(out);
-        }
-        // Per-row metadata: its sequence and how many keys it sees; block tables concatenated.
-        let (mut row_seq, mut row_visible, mut table_start, mut tables) = (vec![], vec![], vec![], vec![]);
-        for (i, seq) in seqs.iter().enumerate() {
-            table_start.push(tables.len() as u32);
-            tables.extend_from_slice(seq.block_table);
-            let first = seq.context_len - seq.rows;
-            for r in 0..seq.rows {
-                row_seq.push(i as u32);
-                row_visible.push((first + r + 1) as u32);
-            }
-        }
-        let max_visible = row_visible.iter().copied().max().unwrap_or(1) as usize;
-        // Split-K for decode rows. Each row picks its own split count from its own context
-        // (ceil(visible / DECODE_CHUNK), at most MAX_SPLITS), so its result never depends on the other
-        // rows; the grid only has to cover the largest. Inside a recorded step the grid is always
-        // MAX_SPLITS wide, so a replay stays valid as contexts grow (idle splits exit at once).
-        let recording = self.steps()?.mode != graph::Mode::Direct;
-        let splits = match (decode, recording) {
-            (false, _) => 1,
-            (true, true) => MAX_SPLITS,
-            (true, false) => max_visible.div_ceil(DECODE_CHUNK).clamp(1, MAX_SPLITS),
-        };
-        let chunk = DECODE_CHUNK;
-        let (row_seq, row_visible) = (self.stage(&row_seq)?, self.stage(&row_visible)?);
-        let (table_start, tables) = (self.stage(&table_start)?, self.stage(&tables)?);
-        let items = rows * s.q_heads;
-        let d = s.head_dim;
-        // Every (item, split) slot is written by paged_attention_v1 before the combine reads it.
-        let part = if splits > 1 {
-            Some(self.alloc_bytes(4 * items * splits * (d + 2))?)
-        } else {
-            None
-        };
-        let op = "paged_attention";
-        let p = PagedAttnParams {
-            q: q.ptr(),
-            k: k.ptr(),
-            v: v.ptr(),
-            row_seq: row_seq.ptr(),
-            row_visible: row_visible.ptr(),
-            seq_table_start: table_start.ptr(),
-            tables: tables.ptr(),
-            out: out.ptr(),
-            part: part.as_ref().map_or(0, |b| b.ptr),
-            rows: to_i32(op, rows)?,
-            q_heads: to_i32(op, s.q_heads)?,
-            kv_heads: to_i32(op, s.kv_heads)?,
-            d: to_i32(op, d)?,
-            block_size: to_i32(op, s.block_size)?,
-            splits: splits as i32,
-            chunk: to_i32(op, chunk)?,
-            scale: 1.0 / (d as f32).sqrt(),
-        };
-        self.launch("paged_attention_v1", grid_warps(items, splits), p)?;
-        if let Some(part) = &part {
-            let c = CombineParams {
-                part: part.ptr,
-                out: out.ptr(),
-                items: to_i32(op, items)?,
-                splits: splits as i32,
-                d: d as i32,
-            };
-            self.launch("attn_combine_v1", grid_warps(items, 1), c)?;
-        }
-        Ok(out)
+        self.launch_paged_v1(q, k, v, s, seqs)
     }
 
     fn layer_norm(
@@ -1033,51 +983,13 @@ impl Backend for CudaBackend {
         heads: usize,
         cu_seqlens: &[usize],
     ) -> Result<CudaTensor> {
-        check::attention_segments(
-            (q.rows, q.cols),
-            (k.rows, k.cols),
-            (v.rows, v.cols),
-            heads,
-            cu_seqlens,
-        )?;
-        if q.cols / heads > MAX_HEAD_DIM {
-            return Err(shape_err(
-                "attention_segments",
-                format!("head_dim {} (at most {MAX_HEAD_DIM})", q.cols / heads),
-            ));
-        }
-        if q.rows > 0 && !self.attn_v1_only && self.flash_ok {
+        check_segments(q, k, v, heads, cu_seqlens)?;
+        if q.rows > 0 && !self.attention_v1_only() && self.flash_ok {
             if let Some(out) = self.attention_segments_flash(q, k, v, heads, cu_seqlens)? {
                 return Ok(out);
             }
         }
-        let out = self.alloc_tensor(q.rows, q.cols)?;
-        if q.rows == 0 || q.cols == 0 {
-            return Ok(out);
-        }
-        let (mut lo, mut hi) = (vec![0u32; q.rows], vec![0u32; q.rows]);
-        for w in cu_seqlens.windows(2) {
-            for r in w[0]..w[1] {
-                (lo[r], hi[r]) = (w[0] as u32, w[1] as u32);
-            }
-        }
-        let (lo, hi) = (self.stage(&lo)?, self.stage(&hi)?);
-        let d = q.cols / heads;
-        let op = "attention_segments";
-        let p = SegAttnParams {
-            q: q.ptr(),
-            k: k.ptr(),
-            v: v.ptr(),
-            row_lo: lo.ptr(),
-            row_hi: hi.ptr(),
-            out: out.ptr(),
-            rows: to_i32(op, q.rows)?,
-            heads: to_i32(op, heads)?,
-            d: d as i32,
-            scale: 1.0 / (d as f32).sqrt(),
-        };
-        self.launch("attention_segments_v1", grid_warps(q.rows * heads, 1), p)?;
-        Ok(out)
+        self.launch_segments_v1(q, k, v, heads, cu_seqlens)
     }
 
     fn reshape(&self, x: CudaTensor, rows: usize, cols: usize) -> Result<CudaTensor> {
@@ -1255,7 +1167,10 @@ impl Backend for CudaBackend {
                 let recorded = r.is_ok() && self.steps()?.finish_record(key, g, &self.stream)?;
                 match r {
                     Ok(r) if recorded => Ok(r),
-                    _ => self.run_direct(key, f),
+                    _ => {
+                        self.steps()?.record_failed(key);
+                        self.run_direct(key, f)
+                    }
                 }
             }
         }
