@@ -368,6 +368,72 @@ fn episode_render_run_and_label() {
     assert!(labels.iter().any(|l| l["kind"] == "beam"));
 }
 
+/// Labels through the HGKV policy: with the gated adapter every set holding a history screenshot
+/// scores differently from the frozen model, and the empty set (B = 0) bit for bit the same (the
+/// gate bypasses the adapter without history images); every record says what made it.
+#[test]
+fn episode_labels_through_the_gated_adapter() {
+    let tmp = tempfile::tempdir().unwrap();
+    let labels = |adapter: Option<&str>| {
+        let out = tmp.path().join(format!("labels-{}.jsonl", adapter.is_some()));
+        let (m, e) = (fixture("tiny-qwen3-vl"), fixture("episode-sample"));
+        let mut args = vec![
+            "episode".to_string(),
+            "label".into(),
+            "--model".into(),
+            m.to_str().unwrap().into(),
+            "--episode".into(),
+            e.to_str().unwrap().into(),
+            "--budgets".into(),
+            "0,1".into(),
+            "--out".into(),
+            out.to_str().unwrap().into(),
+        ];
+        if let Some(a) = adapter {
+            args.extend(["--adapter".into(), a.into()]);
+        }
+        let o = recall(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        assert!(o.status.success(), "{}", stderr(&o));
+        std::fs::read_to_string(&out)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .collect::<Vec<_>>()
+    };
+    let adapter = fixture("hgkv-peft");
+    let (off, gated) = (labels(None), labels(Some(adapter.to_str().unwrap())));
+    assert_eq!(off.len(), gated.len());
+    let (mut empty, mut with_images) = (0, 0);
+    for (a, b) in off.iter().zip(&gated) {
+        assert_eq!((&a["t"], &a["kind"], &a["set"]), (&b["t"], &b["kind"], &b["set"]));
+        if a["set"].as_array().unwrap().is_empty() {
+            empty += 1;
+            assert_eq!(
+                a["q"].as_f64().unwrap().to_bits(),
+                b["q"].as_f64().unwrap().to_bits(),
+                "{a} {b}"
+            );
+        } else {
+            with_images += 1;
+            assert_ne!(a["q"], b["q"], "{a} {b}");
+        }
+        assert_eq!(a["made_with"]["adapter_mode"], "off");
+        assert!(a["made_with"]["adapter"].is_null());
+        assert_eq!(b["made_with"]["adapter_mode"], "gated");
+        assert_eq!(b["made_with"]["adapter"], adapter.to_str().unwrap());
+        for m in [&a["made_with"], &b["made_with"]] {
+            assert_eq!(m["protocol"], "mobile");
+            assert!(m["model"].as_str().unwrap().ends_with("tiny-qwen3-vl"));
+            assert!(m["min_pixels"].as_u64().unwrap() > 0);
+            assert!(m["max_pixels"].as_u64().unwrap() >= m["min_pixels"].as_u64().unwrap());
+        }
+    }
+    assert!(
+        empty > 0 && with_images > 0,
+        "{empty} empty sets, {with_images} with images"
+    );
+}
+
 #[test]
 fn scopemem_run_and_eval_on_bundled_data() {
     let model = fixture("tiny-qwen3-vl");

@@ -407,16 +407,45 @@ pub struct UtilityLabel {
     pub tokens: usize,
 }
 
+/// What a label file was made with, written into every record (`made_with`), so that labels from
+/// different policies, adapters or pixel budgets are never mixed unknowingly (docs/FORMATS.md).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LabelSource {
+    /// The model directory as given.
+    pub model: String,
+    /// The HGKV adapter as given, if one was loaded.
+    pub adapter: Option<String>,
+    /// Where the adapter acted while scoring (`off` without one).
+    pub adapter_mode: &'static str,
+    /// The prompt protocol.
+    pub protocol: &'static str,
+    /// The screenshots' pixel budget (the preprocessor's bounds on resized height x width).
+    pub min_pixels: usize,
+    pub max_pixels: usize,
+    /// The recall version that scored them.
+    pub recall: &'static str,
+}
+
+/// One line of a label file: the label and what it was made with.
+#[derive(Debug, Clone, Serialize)]
+pub struct LabelRecord<'a> {
+    #[serde(flatten)]
+    pub label: &'a UtilityLabel,
+    pub made_with: &'a LabelSource,
+}
+
 /// Utility labels of decision `t` (which must have a recorded response): singletons over the whole
 /// pool, Recent-B anchors for every budget in `budgets`, and beam-teacher sets (shortlist the top 6
 /// singletons, beam 3, up to the largest budget). Every set is scored as a complete prompt; the
-/// sets of one level are scored in one shared-prefix call.
+/// sets of one level are scored in one shared-prefix call, through the loaded adapter as `adapter`
+/// says (the paper re-scores through the frozen HGKV policy: `Gated`).
 pub fn utility_labels(
     s: &mut dyn Session,
     episode: &Episode,
     t: usize,
     protocol: Protocol,
     budgets: &[usize],
+    adapter: AdapterMode,
 ) -> Result<Vec<UtilityLabel>> {
     let decision = episode.decision(t)?;
     let reference = decision
@@ -429,7 +458,7 @@ pub fn utility_labels(
             .iter()
             .map(|set| Ok((prompt_for(s, protocol, &decision, set)?, target.clone())))
             .collect::<Result<Vec<_>>>()?;
-        Ok(s.score_many(&pairs)?
+        Ok(s.score_many(&pairs, adapter)?
             .into_iter()
             .map(|score| (score.mean_logprob, score.sum_logprob))
             .collect())

@@ -23,6 +23,7 @@ use crate::error::{Error, Result};
 use crate::memory::episode::StepRecord;
 use crate::memory::protocol::{render, Protocol};
 use crate::model::scopemem::{action_type_entropy, EncoderInputs, ScopeMemEncoder, NUM_ACTION_TYPES};
+use crate::model::AdapterMode;
 
 /// The mobile protocol's action types, in the order of p0.
 pub const MOBILE_ACTION_TYPES: [&str; NUM_ACTION_TYPES] = [
@@ -144,7 +145,11 @@ pub fn action_type_distribution(
         .iter()
         .map(|q| (at_decision.clone(), q[shared..].to_vec()))
         .collect();
-    let sums: Vec<f64> = s.score_many(&pairs)?.iter().map(|sc| sc.sum_logprob).collect();
+    let sums: Vec<f64> = s
+        .score_many(&pairs, AdapterMode::Off)?
+        .iter()
+        .map(|sc| sc.sum_logprob)
+        .collect();
     let max = sums.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     let z: f64 = sums.iter().map(|s| (s - max).exp()).sum();
     let mut p0 = [0f32; NUM_ACTION_TYPES];

@@ -5,7 +5,9 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::Subcommand;
 use recall::agent::causalcache::TwoPassConfig;
-use recall::agent::causalcache::{make_policy, run_episode, steps_table, utility_labels, PolicyChoice};
+use recall::agent::causalcache::{
+    make_policy, run_episode, steps_table, utility_labels, LabelRecord, LabelSource, PolicyChoice,
+};
 use recall::agent::chart::{write_allocation_chart, AllocationRow};
 use recall::backend::{select, Backend, BackendArgs};
 use recall::memory::episode::Episode;
@@ -165,11 +167,31 @@ fn label<B: Backend>(be: B, a: &LabelArgs) -> Result<()> {
     let p = load(be, &a.model)?;
     let ep = Episode::load(&a.episode)?;
     let protocol = a.protocol.unwrap_or(Protocol::for_platform(ep.platform));
+    let made_with = LabelSource {
+        model: a.model.model.display().to_string(),
+        adapter: a.model.adapter.as_ref().map(|d| d.display().to_string()),
+        adapter_mode: a.model.request_adapter().name(),
+        protocol: protocol.name(),
+        min_pixels: p.preprocess.min_pixels,
+        max_pixels: p.preprocess.max_pixels,
+        recall: env!("CARGO_PKG_VERSION"),
+    };
     let mut engine = p.engine(a.model.engine_config())?;
     let mut lines = String::new();
     for t in 1..=ep.len() {
-        for label in utility_labels(&mut p.session(&mut engine), &ep, t, protocol, &a.budgets)? {
-            lines.push_str(&serde_json::to_string(&label)?);
+        for label in utility_labels(
+            &mut p.session(&mut engine),
+            &ep,
+            t,
+            protocol,
+            &a.budgets,
+            a.model.request_adapter(),
+        )? {
+            let record = LabelRecord {
+                label: &label,
+                made_with: &made_with,
+            };
+            lines.push_str(&serde_json::to_string(&record)?);
             lines.push('\n');
         }
     }

@@ -562,15 +562,29 @@ impl<'m, B: Backend> Engine<'m, B> {
     /// Scores many (prompt, target) pairs in batches. Their longest common prefix is computed once
     /// first, so that every pair reuses it from the prefix cache.
     pub fn score_many(&mut self, pairs: &[(Prompt, Vec<u32>)]) -> Result<Vec<Score>> {
+        self.score_many_with(pairs, AdapterMode::Off)
+    }
+
+    /// [`Engine::score_many`] with the loaded adapter acting as `adapter` says (labels scored through
+    /// the HGKV policy).
+    pub fn score_many_with(
+        &mut self,
+        pairs: &[(Prompt, Vec<u32>)],
+        adapter: AdapterMode,
+    ) -> Result<Vec<Score>> {
+        let opts = || RequestOptions {
+            adapter,
+            ..RequestOptions::default()
+        };
         if let Some((prompt, len)) = self.shared_prefix(pairs)? {
-            let id = self.add_request(&prompt, Task::Warm { len })?;
+            let id = self.add_request_with(&prompt, Task::Warm { len }, opts())?;
             if let Outcome::Failed(e) = self.wait_for(id)?.outcome {
                 return Err(Error::InvalidRequest(e));
             }
         }
         let ids = pairs
             .iter()
-            .map(|(p, t)| self.add_request(p, Task::Score { target: t.clone() }))
+            .map(|(p, t)| self.add_request_with(p, Task::Score { target: t.clone() }, opts()))
             .collect::<Result<Vec<_>>>()?;
         ids.iter()
             .map(|&id| match self.wait_for(id)?.outcome {

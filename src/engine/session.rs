@@ -6,6 +6,7 @@ use crate::backend::Backend;
 use crate::engine::{Engine, EngineOutput, GenerateParams, Generation, Outcome, Pipeline, Prompt, Score};
 use crate::engine::{RequestOptions, Task};
 use crate::error::{Error, Result};
+use crate::model::AdapterMode;
 use crate::tokenize::chat::ChatMessage;
 use crate::tokenize::Tokenizer;
 
@@ -22,8 +23,9 @@ pub trait Session {
     fn chat_prompt(&mut self, messages: &[ChatMessage]) -> Result<Prompt>;
     /// Runs one request to its end.
     fn run(&mut self, prompt: &Prompt, task: Task, opts: RequestOptions) -> Result<EngineOutput>;
-    /// Scores (prompt, target) pairs, computing their common prefix once.
-    fn score_many(&mut self, pairs: &[(Prompt, Vec<u32>)]) -> Result<Vec<Score>>;
+    /// Scores (prompt, target) pairs, computing their common prefix once, with the loaded adapter
+    /// acting as `adapter` says.
+    fn score_many(&mut self, pairs: &[(Prompt, Vec<u32>)], adapter: AdapterMode) -> Result<Vec<Score>>;
     /// The model's input embeddings of `ids`, `[ids.len() · hidden]` row-major.
     fn embed_tokens(&mut self, ids: &[u32]) -> Result<Vec<f32>>;
 
@@ -84,8 +86,8 @@ impl<B: Backend> Session for LocalSession<'_, '_, B> {
         self.engine.wait_for(id)
     }
 
-    fn score_many(&mut self, pairs: &[(Prompt, Vec<u32>)]) -> Result<Vec<Score>> {
-        self.engine.score_many(pairs)
+    fn score_many(&mut self, pairs: &[(Prompt, Vec<u32>)], adapter: AdapterMode) -> Result<Vec<Score>> {
+        self.engine.score_many_with(pairs, adapter)
     }
 
     fn embed_tokens(&mut self, ids: &[u32]) -> Result<Vec<f32>> {

@@ -106,6 +106,15 @@ impl std::str::FromStr for Protocol {
 }
 
 impl Protocol {
+    /// The name `--protocol` takes (`mobile`, `desktop`, `desktop-strict`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Mobile => "mobile",
+            Self::Desktop => "desktop",
+            Self::DesktopStrictEvents => "desktop-strict",
+        }
+    }
+
     /// The default protocol of a platform (`Mobile` / `Desktop`).
     pub fn for_platform(platform: Platform) -> Self {
         match platform {

@@ -35,6 +35,17 @@ pub enum AdapterMode {
     Ungated,
 }
 
+impl AdapterMode {
+    /// The name `--adapter-mode` takes (`off`, `gated`, `ungated`).
+    pub fn name(self) -> &'static str {
+        match self {
+            AdapterMode::Off => "off",
+            AdapterMode::Gated => "gated",
+            AdapterMode::Ungated => "ungated",
+        }
+    }
+}
+
 impl std::str::FromStr for AdapterMode {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {

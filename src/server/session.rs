@@ -9,6 +9,7 @@ use tokio::sync::{mpsc, watch};
 
 use crate::engine::{EngineOutput, Prompt, RequestOptions, Score, Session, Task};
 use crate::error::{Error, Result};
+use crate::model::AdapterMode;
 use crate::server::engine_loop::{Event, PromptSource};
 use crate::server::openai::prepare_chat;
 use crate::server::AppState;
@@ -106,10 +107,14 @@ impl Session for RemoteSession {
         self.submit(prompt.clone(), task, opts)
     }
 
-    fn score_many(&mut self, pairs: &[(Prompt, Vec<u32>)]) -> Result<Vec<Score>> {
+    fn score_many(&mut self, pairs: &[(Prompt, Vec<u32>)], adapter: AdapterMode) -> Result<Vec<Score>> {
+        let opts = || RequestOptions {
+            adapter,
+            ..RequestOptions::default()
+        };
         let owned = pairs.to_vec();
         if let Some((prompt, len)) = self.call(move |ctx| ctx.shared_prefix(&owned))?? {
-            self.submit(prompt, Task::Warm { len }, RequestOptions::default())?;
+            self.submit(prompt, Task::Warm { len }, opts())?;
         }
         // Submit every pair before waiting for any, so that they share the batch.
         let mut pending = Vec::with_capacity(pairs.len());
@@ -120,7 +125,7 @@ impl Session for RemoteSession {
             pending.push(self.app.engine.submit(
                 PromptSource::Prompt(prompt.clone()),
                 task,
-                RequestOptions::default(),
+                opts(),
                 false,
             )?);
         }
