@@ -434,6 +434,59 @@ fn episode_labels_through_the_gated_adapter() {
     );
 }
 
+/// desktop-strict never restores the initial screen: a whole episode runs (it failed at t = 2 when
+/// the selector's pool held step 1), every allocation stays within steps 2..t-1, and pass 1 is the
+/// tail of that pool.
+#[test]
+fn desktop_strict_runs_a_whole_episode() {
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("steps.json");
+    let (m, e, sel) = (
+        fixture("tiny-qwen3-vl"),
+        fixture("episode-sample"),
+        fixture("selector/scorer.safetensors"),
+    );
+    for policy in ["recent", "selector"] {
+        let o = recall(&[
+            "episode",
+            "run",
+            "--model",
+            m.to_str().unwrap(),
+            "--episode",
+            e.to_str().unwrap(),
+            "--budget",
+            "2",
+            "--protocol",
+            "desktop-strict",
+            "--max-tokens",
+            "8",
+            "--policy",
+            policy,
+            "--selector",
+            sel.to_str().unwrap(),
+            "--json",
+            json.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{policy}: {}", stderr(&o));
+        let steps: Vec<serde_json::Value> =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        assert_eq!(steps.len(), 6, "{policy}");
+        for s in &steps {
+            let t = s["t"].as_u64().unwrap();
+            let alloc: Vec<u64> = serde_json::from_value(s["allocation"].clone()).unwrap();
+            assert!(
+                alloc.iter().all(|&j| (2..t).contains(&j)),
+                "{policy}: t={t} {alloc:?}"
+            );
+            assert!(alloc.len() <= 2, "{policy}: t={t} {alloc:?}");
+            if policy == "recent" {
+                let want: Vec<u64> = (2.max(t.saturating_sub(2))..t).collect();
+                assert_eq!(alloc, want, "t={t}");
+            }
+        }
+    }
+}
+
 #[test]
 fn scopemem_run_and_eval_on_bundled_data() {
     let model = fixture("tiny-qwen3-vl");

@@ -390,10 +390,11 @@ pub enum ActionArgs {
 
 /// The coarse class of an action, as the selector's one-hot feature uses it.
 ///
-/// Click: mobile `click`, desktop `left_click`, `right_click`, `middle_click`, `double_click`.
+/// Click: mobile `click` and `long_press` (a press at a point: the CausalCache authors' features count
+/// it as a click), desktop `left_click`, `right_click`, `middle_click`, `double_click`.
 /// Type: `type`. Key: desktop `key` and mobile `system_button` (Back/Home/Enter are key events).
-/// Scroll: mobile `swipe`, desktop `scroll`, `hscroll`. Other: everything else (`long_press`, `open`,
-/// `wait`, `answer`, `terminate`, `mouse_move`, `left_click_drag`).
+/// Scroll: mobile `swipe`, desktop `scroll`, `hscroll`. Other: everything else (`open`, `wait`,
+/// `answer`, `terminate`, `mouse_move`, `left_click_drag`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ActionBucket {
     /// A pointer click.
@@ -456,6 +457,8 @@ impl Action {
     /// use recall::agent::action::{parse_response, ActionBucket, Platform};
     /// let r = "<tool_call>{\"name\": \"mobile_use\", \"arguments\": {\"action\": \"swipe\", \"coordinate\": [5, 900], \"coordinate2\": [5, 100]}}</tool_call>";
     /// assert_eq!(parse_response(r, Platform::Mobile).unwrap().bucket(), ActionBucket::Scroll);
+    /// let r = "<tool_call>{\"name\": \"mobile_use\", \"arguments\": {\"action\": \"long_press\", \"coordinate\": [5, 900]}}</tool_call>";
+    /// assert_eq!(parse_response(r, Platform::Mobile).unwrap().bucket(), ActionBucket::Click);
     /// ```
     pub fn bucket(&self) -> ActionBucket {
         match &self.args {
@@ -463,14 +466,14 @@ impl Action {
             | ActionArgs::LeftClick { .. }
             | ActionArgs::RightClick { .. }
             | ActionArgs::MiddleClick { .. }
-            | ActionArgs::DoubleClick { .. } => ActionBucket::Click,
+            | ActionArgs::DoubleClick { .. }
+            | ActionArgs::LongPress { .. } => ActionBucket::Click,
             ActionArgs::Type { .. } => ActionBucket::Type,
             ActionArgs::Key { .. } | ActionArgs::SystemButton { .. } => ActionBucket::Key,
             ActionArgs::Swipe { .. } | ActionArgs::Scroll { .. } | ActionArgs::HScroll { .. } => {
                 ActionBucket::Scroll
             }
-            ActionArgs::LongPress { .. }
-            | ActionArgs::Open { .. }
+            ActionArgs::Open { .. }
             | ActionArgs::Wait
             | ActionArgs::Answer { .. }
             | ActionArgs::Terminate { .. }

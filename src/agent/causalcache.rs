@@ -131,7 +131,11 @@ pub fn two_pass_step(
 
     let clock = Instant::now();
     let reference = parse_response(proposal.text.as_deref().unwrap_or_default(), platform).ok();
-    let ctx = context(episode, &decision, reference.as_ref(), memo)?;
+    let mut ctx = context(episode, &decision, reference.as_ref(), memo)?;
+    // The policy chooses among the protocol's eligible steps only (desktop-strict never restores the
+    // initial screen), as Recent-B does.
+    let pool = cfg.protocol.eligible(t - 1);
+    ctx.events.retain(|e| pool.contains(&e.step));
     let current = memo.image(decision.current_screenshot)?.1;
     let thumbs: HashMap<usize, Thumbnail> = ctx
         .events
