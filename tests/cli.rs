@@ -401,6 +401,17 @@ fn episode_labels_through_the_gated_adapter() {
             .collect::<Vec<_>>()
     };
     let adapter = fixture("hgkv-peft");
+    // What the labels must say of the adapter, from PEFT's own config (its layers are consecutive).
+    let peft: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(adapter.join("adapter_config.json")).unwrap()).unwrap();
+    let (r, alpha) = (peft["r"].as_f64().unwrap(), peft["lora_alpha"].as_f64().unwrap());
+    let layers: Vec<u64> = serde_json::from_value(peft["layers_to_transform"].clone()).unwrap();
+    let peft_layout = format!(
+        "rank {r}, alpha {alpha} (scale {}), k_proj+v_proj on layers {}-{}",
+        alpha / r,
+        layers[0],
+        layers[layers.len() - 1]
+    );
     let (off, gated) = (labels(None), labels(Some(adapter.to_str().unwrap())));
     assert_eq!(off.len(), gated.len());
     let (mut empty, mut with_images) = (0, 0);
@@ -421,6 +432,12 @@ fn episode_labels_through_the_gated_adapter() {
         assert!(a["made_with"]["adapter"].is_null());
         assert_eq!(b["made_with"]["adapter_mode"], "gated");
         assert_eq!(b["made_with"]["adapter"], adapter.to_str().unwrap());
+        assert!(a["made_with"]["adapter_layout"].is_null());
+        let layout = b["made_with"]["adapter_layout"].as_str().unwrap();
+        assert!(
+            layout.starts_with(&peft_layout),
+            "{layout} vs PEFT's {peft_layout}"
+        );
         for m in [&a["made_with"], &b["made_with"]] {
             assert_eq!(m["protocol"], "mobile");
             assert!(m["model"].as_str().unwrap().ends_with("tiny-qwen3-vl"));

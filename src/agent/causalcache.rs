@@ -421,6 +421,8 @@ pub struct LabelSource {
     pub adapter: Option<String>,
     /// Where the adapter acted while scoring (`off` without one).
     pub adapter_mode: &'static str,
+    /// The loaded adapter's rank, alpha, projections and layers ([`crate::model::hgkv::Adapter::layout`]).
+    pub adapter_layout: Option<String>,
     /// The prompt protocol.
     pub protocol: &'static str,
     /// The screenshots' pixel budget (the preprocessor's bounds on resized height x width).

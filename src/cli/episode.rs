@@ -171,6 +171,7 @@ fn label<B: Backend>(be: B, a: &LabelArgs) -> Result<()> {
         model: a.model.model.display().to_string(),
         adapter: a.model.adapter.as_ref().map(|d| d.display().to_string()),
         adapter_mode: a.model.request_adapter().name(),
+        adapter_layout: p.model.text.adapter().map(|ad| ad.layout()),
         protocol: protocol.name(),
         min_pixels: p.preprocess.min_pixels,
         max_pixels: p.preprocess.max_pixels,

@@ -86,6 +86,29 @@ pub struct Adapter<B: Backend> {
     pub source: PathBuf,
 }
 
+/// Ascending layer indices as ranges: `layers 20-27`, `layers 1, 3-4`, `no layer`.
+fn layer_ranges(layers: &[usize]) -> String {
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for &l in layers {
+        match runs.last_mut() {
+            Some((_, end)) if *end + 1 == l => *end = l,
+            _ => runs.push((l, l)),
+        }
+    }
+    if runs.is_empty() {
+        return "no layer".into();
+    }
+    let parts: Vec<String> = runs
+        .iter()
+        .map(|&(a, b)| if a == b { a.to_string() } else { format!("{a}-{b}") })
+        .collect();
+    format!(
+        "layer{} {}",
+        if layers.len() > 1 { "s" } else { "" },
+        parts.join(", ")
+    )
+}
+
 /// Which layer, projection and factor a tensor name refers to.
 struct LoraName {
     layer: usize,
@@ -311,15 +334,36 @@ impl<B: Backend> Adapter<B> {
                 entry.v = Some(pair);
             }
         }
-        tracing::info!(rank, alpha, layers = found.len(), source = %path.display(), "adapter loaded");
-        Ok(Adapter {
+        let adapter = Adapter {
             id: hasher.digest(),
             rank,
             alpha,
             scale,
             layers,
             source: path,
-        })
+        };
+        tracing::info!(layout = %adapter.layout(), source = %adapter.source.display(), "adapter loaded");
+        Ok(adapter)
+    }
+
+    /// What the adapter is, in one line: rank, alpha and scale, and the projections and decoder
+    /// layers it acts on, e.g. `rank 8, alpha 16 (scale 2), k_proj+v_proj on layers 20-27`.
+    pub fn layout(&self) -> String {
+        let acting = |pick: fn(&LayerLora<B>) -> bool| -> Vec<usize> {
+            (0..self.layers.len())
+                .filter(|&i| self.layer(i).is_some_and(pick))
+                .collect()
+        };
+        let (k, v) = (acting(|l| l.k.is_some()), acting(|l| l.v.is_some()));
+        let targets = if k == v {
+            format!("k_proj+v_proj on {}", layer_ranges(&k))
+        } else {
+            format!("k_proj on {}, v_proj on {}", layer_ranges(&k), layer_ranges(&v))
+        };
+        format!(
+            "rank {}, alpha {} (scale {}), {targets}",
+            self.rank, self.alpha, self.scale
+        )
     }
 
     /// The adapter's updates in decoder layer `i`, if any.
@@ -338,5 +382,18 @@ impl<B: Backend> Adapter<B> {
     ) -> Result<()> {
         let delta = be.linear(&be.linear(h_rows, &pair.a, None)?, &pair.b, None)?;
         be.scatter_rows(y, rows, &be.scale(&delta, self.scale)?, true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::layer_ranges;
+
+    #[test]
+    fn layer_lists_read_as_ranges() {
+        assert_eq!(layer_ranges(&[20, 21, 22, 23, 24, 25, 26, 27]), "layers 20-27");
+        assert_eq!(layer_ranges(&[1, 3, 4]), "layers 1, 3-4");
+        assert_eq!(layer_ranges(&[2]), "layer 2");
+        assert_eq!(layer_ranges(&[]), "no layer");
     }
 }
