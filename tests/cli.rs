@@ -504,6 +504,77 @@ fn desktop_strict_runs_a_whole_episode() {
     }
 }
 
+/// `--min-pixels/--max-pixels` set the screenshot pixel budget: a 1920x1080 screenshot at the
+/// default budget and at GUI-Owl's CausalCache setting (min = max = 2,621,440) differs in image tokens
+/// by what HF's `smart_resize` gives at those budgets (fixture); a budget that cannot hold one merged
+/// patch, or min > max, is refused naming both flags.
+#[test]
+fn pixel_budget_flags_follow_hf_smart_resize() {
+    let cases: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(fixture("preprocess/smart_resize.json")).unwrap())
+            .unwrap();
+    let at = |min: u64, max: u64| {
+        let c = cases
+            .iter()
+            .find(|c| {
+                c["height"] == 1080
+                    && c["width"] == 1920
+                    && c["factor"] == 32
+                    && c["min_pixels"] == min
+                    && c["max_pixels"] == max
+            })
+            .unwrap();
+        let (h, w) = (c["out"][0].as_u64().unwrap(), c["out"][1].as_u64().unwrap());
+        h / 32 * (w / 32)
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let png = tmp.path().join("screen.png");
+    image::RgbImage::from_pixel(1920, 1080, image::Rgb([200, 100, 50]))
+        .save(&png)
+        .unwrap();
+    let messages = tmp.path().join("messages.json");
+    let chat = serde_json::json!([{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": png.to_str().unwrap()}},
+        {"type": "text", "text": "hi"}]}]);
+    std::fs::write(&messages, chat.to_string()).unwrap();
+    let model = fixture("tiny-qwen3-vl");
+    let run = |min: &str, max: &str| {
+        recall(&[
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--messages",
+            messages.to_str().unwrap(),
+            "--max-tokens",
+            "1",
+            "--json",
+            "--min-pixels",
+            min,
+            "--max-pixels",
+            max,
+        ])
+    };
+    let tokens = |min: u64, max: u64| {
+        let o = run(&min.to_string(), &max.to_string());
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        v["prompt_tokens"].as_u64().unwrap()
+    };
+    let (default, gui_owl) = ((65_536, 16_777_216), (2_621_440, 2_621_440));
+    assert_eq!(
+        tokens(gui_owl.0, gui_owl.1) - tokens(default.0, default.1),
+        at(gui_owl.0, gui_owl.1) - at(default.0, default.1)
+    );
+    for (min, max) in [("5000", "4000"), ("16", "16")] {
+        let o = run(min, max);
+        let err = stderr(&o);
+        assert!(
+            !o.status.success() && err.contains("--min-pixels") && err.contains("--max-pixels"),
+            "{err}"
+        );
+    }
+}
+
 #[test]
 fn scopemem_run_and_eval_on_bundled_data() {
     let model = fixture("tiny-qwen3-vl");

@@ -92,6 +92,13 @@ pub struct ModelArgs {
     /// Where the adapter acts: gated (history screenshots only), ungated (every token) or off.
     #[arg(long, default_value = "gated", value_parser = parse_mode)]
     pub adapter_mode: AdapterMode,
+    /// Screenshots are resized to at least this many pixels (height x width) [default: the model's
+    /// preprocessor_config.json]. GUI-Owl's CausalCache setting: min = max = 2621440.
+    #[arg(long)]
+    pub min_pixels: Option<usize>,
+    /// Screenshots are resized to at most this many pixels [default: the model's preprocessor].
+    #[arg(long)]
+    pub max_pixels: Option<usize>,
     #[command(flatten)]
     pub backend: BackendArgs,
 }
@@ -127,6 +134,17 @@ pub fn load<B: Backend>(be: B, args: &ModelArgs) -> Result<Pipeline<B>> {
     if let Some(adapter) = &args.adapter {
         p.load_adapter(adapter, args.adapter_mode)
             .with_context(|| format!("loading the adapter {}", adapter.display()))?;
+    }
+    if args.min_pixels.is_some() || args.max_pixels.is_some() {
+        let min = args.min_pixels.unwrap_or(p.preprocess.min_pixels);
+        let max = args.max_pixels.unwrap_or(p.preprocess.max_pixels);
+        let side = p.preprocess.factor().pow(2);
+        anyhow::ensure!(
+            min <= max && max >= side,
+            "--min-pixels {min} and --max-pixels {max}: need min <= max and max >= {side} (one merged patch)"
+        );
+        p.preprocess = p.preprocess.clone().with_pixels(min, max);
+        tracing::info!(min, max, "screenshot pixel budget");
     }
     Ok(p)
 }
