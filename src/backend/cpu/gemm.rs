@@ -26,7 +26,7 @@ use rayon::prelude::*;
 /// Output columns per panel (one AVX-512 register of f32).
 pub const NR: usize = 16;
 /// Rows per micro-kernel call.
-const MR: usize = 8;
+pub(crate) const MR: usize = 8;
 /// Panels per micro-kernel call: an `MR × NP` tile of AVX-512 accumulators is 24 of the 32 registers.
 const NP: usize = 3;
 

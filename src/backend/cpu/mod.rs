@@ -293,10 +293,14 @@ impl Backend for CpuBackend {
     }
 
     fn linear(&self, x: &CpuTensor, w: &CpuWeight, bias: Option<&CpuWeight>) -> Result<CpuTensor> {
-        // Under a micro-kernel's 8 rows the product is bound by reading the weights (decode, the
+        // Under a micro-kernel's rows (8) the product is bound by reading the weights (decode, the
         // prompt's last row through lm_head), not by FMAs: profiled apart so that GEMM rates mean
         // the compute-bound calls.
-        let mut op = profile::start(if x.rows < 8 { "linear_gemv" } else { "linear" });
+        let mut op = profile::start(if x.rows < gemm::MR {
+            "linear_gemv"
+        } else {
+            "linear"
+        });
         check::linear(x.cols, &w.shape, bias.map(|b| &b.shape[..]))?;
         op.flops(2.0 * x.rows as f64 * w.shape[0] as f64 * x.cols as f64);
         Ok(ops::linear(x, w, bias))
