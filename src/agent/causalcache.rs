@@ -199,7 +199,7 @@ fn ms(since: Instant) -> f64 {
 }
 
 /// The engine prompt of `decision` rendered with `allocation`.
-fn prompt_for(
+pub(crate) fn prompt_for(
     s: &mut dyn Session,
     protocol: Protocol,
     decision: &Decision<'_>,
@@ -241,7 +241,7 @@ pub fn agent_params(s: &dyn Session, max_tokens: usize) -> GenerateParams {
 
 /// The selector's view of decision `t`: every completed step with its screenshot hash, the action
 /// taken at it, and whether that action is equivalent to the reference (pass 1's proposal).
-fn context(
+pub(crate) fn context(
     episode: &Episode,
     decision: &Decision<'_>,
     reference: Option<&Action>,
@@ -396,126 +396,4 @@ pub fn steps_table(reports: &[StepReport]) -> String {
         ));
     }
     s
-}
-
-/// One utility label: Q(S), the mean log-probability of the recorded response given the prompt
-/// rendered with allocation S.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct UtilityLabel {
-    pub t: usize,
-    /// singleton | recent | beam
-    pub kind: &'static str,
-    pub set: Vec<usize>,
-    pub q: f64,
-    pub sum_logprob: f64,
-    pub tokens: usize,
-}
-
-/// What a label file was made with, written into every record (`made_with`), so that labels from
-/// different policies, adapters or pixel budgets are never mixed unknowingly (docs/FORMATS.md).
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct LabelSource {
-    /// The model directory as given.
-    pub model: String,
-    /// The HGKV adapter as given, if one was loaded.
-    pub adapter: Option<String>,
-    /// Where the adapter acted while scoring (`off` without one).
-    pub adapter_mode: &'static str,
-    /// The loaded adapter's rank, alpha, projections and layers ([`crate::model::hgkv::Adapter::layout`]).
-    pub adapter_layout: Option<String>,
-    /// The prompt protocol.
-    pub protocol: &'static str,
-    /// The screenshots' pixel budget (the preprocessor's bounds on resized height x width).
-    pub min_pixels: usize,
-    pub max_pixels: usize,
-    /// The recall version that scored them.
-    pub recall: &'static str,
-}
-
-/// One line of a label file: the label and what it was made with.
-#[derive(Debug, Clone, Serialize)]
-pub struct LabelRecord<'a> {
-    #[serde(flatten)]
-    pub label: &'a UtilityLabel,
-    pub made_with: &'a LabelSource,
-}
-
-/// Utility labels of decision `t` (which must have a recorded response): singletons over the whole
-/// pool, Recent-B anchors for every budget in `budgets`, and beam-teacher sets (shortlist the top 6
-/// singletons, beam 3, up to the largest budget). Every set is scored as a complete prompt; the
-/// sets of one level are scored in one shared-prefix call, through the loaded adapter as `adapter`
-/// says (the paper re-scores through the frozen HGKV policy: `Gated`).
-pub fn utility_labels(
-    s: &mut dyn Session,
-    episode: &Episode,
-    t: usize,
-    protocol: Protocol,
-    budgets: &[usize],
-    adapter: AdapterMode,
-) -> Result<Vec<UtilityLabel>> {
-    let decision = episode.decision(t)?;
-    let reference = decision
-        .reference
-        .ok_or_else(|| Error::InvalidRequest(format!("decision {t} has no recorded response to label")))?;
-    let target = s.tokenizer().encode(reference)?;
-    let pool: Vec<usize> = protocol.eligible(t - 1).collect();
-    let score_sets = |s: &mut dyn Session, sets: &[Vec<usize>]| -> Result<Vec<(f64, f64)>> {
-        let pairs = sets
-            .iter()
-            .map(|set| Ok((prompt_for(s, protocol, &decision, set)?, target.clone())))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(s.score_many(&pairs, adapter)?
-            .into_iter()
-            .map(|score| (score.mean_logprob, score.sum_logprob))
-            .collect())
-    };
-    let label = |kind, set: &Vec<usize>, (q, sum): (f64, f64)| UtilityLabel {
-        t,
-        kind,
-        set: set.clone(),
-        q,
-        sum_logprob: sum,
-        tokens: target.len(),
-    };
-    let mut labels = Vec::new();
-    let singles: Vec<Vec<usize>> = pool.iter().map(|&j| vec![j]).collect();
-    let single_q = score_sets(s, &singles)?;
-    labels.extend(
-        singles
-            .iter()
-            .zip(&single_q)
-            .map(|(s, q)| label("singleton", s, *q)),
-    );
-    let anchors: Vec<Vec<usize>> = budgets.iter().map(|&b| protocol.recent_b(t - 1, b)).collect();
-    let anchor_q = score_sets(s, &anchors)?;
-    labels.extend(anchors.iter().zip(&anchor_q).map(|(s, q)| label("recent", s, *q)));
-
-    // Beam teacher: grow sets from the best singletons.
-    let mut ranked: Vec<(usize, f64)> = pool.iter().copied().zip(single_q.iter().map(|q| q.0)).collect();
-    ranked.sort_by(|a, b| b.1.total_cmp(&a.1));
-    let shortlist: Vec<usize> = ranked.iter().take(6).map(|r| r.0).collect();
-    let max_size = budgets.iter().copied().max().unwrap_or(0).min(shortlist.len());
-    let mut beam: Vec<Vec<usize>> = shortlist.iter().take(3).map(|&j| vec![j]).collect();
-    for _ in 1..max_size {
-        let mut children: Vec<Vec<usize>> = Vec::new();
-        for parent in &beam {
-            for &c in shortlist.iter().filter(|c| !parent.contains(c)) {
-                let mut s = parent.clone();
-                s.push(c);
-                s.sort_unstable();
-                if !children.contains(&s) {
-                    children.push(s);
-                }
-            }
-        }
-        if children.is_empty() {
-            break;
-        }
-        let qs = score_sets(s, &children)?;
-        let mut scored: Vec<(Vec<usize>, (f64, f64))> = children.into_iter().zip(qs).collect();
-        labels.extend(scored.iter().map(|(s, q)| label("beam", s, *q)));
-        scored.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
-        beam = scored.into_iter().take(3).map(|(s, _)| s).collect();
-    }
-    Ok(labels)
 }

@@ -6,4 +6,5 @@ pub mod chart;
 pub mod dataset;
 pub mod demo;
 pub mod eval;
+pub mod labels;
 pub mod scopemem;

@@ -5,10 +5,9 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::Subcommand;
 use recall::agent::causalcache::TwoPassConfig;
-use recall::agent::causalcache::{
-    make_policy, run_episode, steps_table, utility_labels, LabelRecord, LabelSource, PolicyChoice,
-};
+use recall::agent::causalcache::{make_policy, run_episode, steps_table, PolicyChoice};
 use recall::agent::chart::{write_allocation_chart, AllocationRow};
+use recall::agent::labels::{episode_name, label_episode, LabelSource};
 use recall::backend::{select, Backend, BackendArgs};
 use recall::memory::episode::Episode;
 use recall::memory::protocol::{render_decision, Protocol};
@@ -92,9 +91,11 @@ impl PolicyArgs {
 pub struct LabelArgs {
     #[command(flatten)]
     model: ModelArgs,
-    #[arg(long)]
-    episode: PathBuf,
-    /// Budgets of the Recent-B anchors; the largest bounds the beam-teacher sets.
+    /// Episode directories (comma-separated or repeated); their labels go into one file.
+    #[arg(long, value_delimiter = ',', required = true)]
+    episode: Vec<PathBuf>,
+    /// Budgets of the Recent-B anchors (the empty set is always scored); the largest bounds the
+    /// beam-teacher sets.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
     budgets: Vec<usize>,
     #[arg(long, value_parser = parse_protocol)]
@@ -165,41 +166,43 @@ fn replay<B: Backend>(be: B, a: &RunArgs) -> Result<()> {
 
 fn label<B: Backend>(be: B, a: &LabelArgs) -> Result<()> {
     let p = load(be, &a.model)?;
-    let ep = Episode::load(&a.episode)?;
-    let protocol = a.protocol.unwrap_or(Protocol::for_platform(ep.platform));
-    let made_with = LabelSource {
-        model: a.model.model.display().to_string(),
-        adapter: a.model.adapter.as_ref().map(|d| d.display().to_string()),
-        adapter_mode: a.model.request_adapter().name(),
-        adapter_layout: p.model.text.adapter().map(|ad| ad.layout()),
-        protocol: protocol.name(),
-        min_pixels: p.preprocess.min_pixels,
-        max_pixels: p.preprocess.max_pixels,
-        recall: env!("CARGO_PKG_VERSION"),
-    };
+    let episodes = a
+        .episode
+        .iter()
+        .map(|dir| Ok((episode_name(dir), Episode::load(dir)?)))
+        .collect::<Result<Vec<_>>>()?;
     let mut engine = p.engine(a.model.engine_config())?;
     let mut lines = String::new();
-    for t in 1..=ep.len() {
-        for label in utility_labels(
+    let mut count = 0;
+    for (name, ep) in &episodes {
+        let protocol = a.protocol.unwrap_or(Protocol::for_platform(ep.platform));
+        let made_with = LabelSource {
+            model: a.model.model.display().to_string(),
+            adapter: a.model.adapter.as_ref().map(|d| d.display().to_string()),
+            adapter_mode: a.model.request_adapter().name(),
+            adapter_layout: p.model.text.adapter().map(|ad| ad.layout()),
+            protocol: protocol.name(),
+            min_pixels: p.preprocess.min_pixels,
+            max_pixels: p.preprocess.max_pixels,
+            recall: env!("CARGO_PKG_VERSION"),
+        };
+        count += label_episode(
             &mut p.session(&mut engine),
-            &ep,
-            t,
+            ep,
+            name,
             protocol,
             &a.budgets,
             a.model.request_adapter(),
-        )? {
-            let record = LabelRecord {
-                label: &label,
-                made_with: &made_with,
-            };
-            lines.push_str(&serde_json::to_string(&record)?);
-            lines.push('\n');
-        }
+            &made_with,
+            &mut lines,
+        )?;
     }
     write_file(&a.out, lines)?;
     let stats = engine.kv_stats();
     eprintln!(
-        "wrote {} ({} tokens reused from the prefix cache, {} computed)",
+        "wrote {} labels of {} episode(s) to {} ({} tokens reused from the prefix cache, {} computed)",
+        count,
+        episodes.len(),
         a.out.display(),
         stats.tokens_reused,
         stats.tokens_computed

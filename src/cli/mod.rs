@@ -7,6 +7,7 @@ mod demo;
 mod episode;
 mod loadgen;
 mod scopemem;
+mod selector;
 mod serve;
 
 use std::path::{Path, PathBuf};
@@ -41,6 +42,11 @@ enum Command {
         #[command(subcommand)]
         command: episode::EpisodeCommand,
     },
+    /// Train CausalCache's learned selector from utility labels (docs/TRAINING.md).
+    Selector {
+        #[command(subcommand)]
+        command: selector::SelectorCommand,
+    },
     /// ScopeMem: first opinion, encoder prefix, second opinion.
     Scopemem {
         #[command(subcommand)]
@@ -68,6 +74,7 @@ pub fn run() -> Result<()> {
         Command::Logits(a) => chat::logits(a),
         Command::Score(a) => chat::score(a),
         Command::Episode { command } => episode::run(command),
+        Command::Selector { command } => selector::run(command),
         Command::Scopemem { command } => scopemem::run(command),
         Command::Eval(a) => scopemem::eval(a),
         Command::Bench(a) => bench::run(a),

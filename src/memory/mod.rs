@@ -6,3 +6,4 @@ pub mod episode;
 pub mod policy;
 pub mod protocol;
 pub mod selector;
+pub mod selector_train;
