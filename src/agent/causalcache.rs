@@ -335,9 +335,16 @@ pub fn make_policy(c: &PolicyChoice) -> Result<Box<dyn AllocationPolicy>> {
             let (scorer, options) = scorer()?;
             Box::new(Inverted { scorer, options })
         }
+        "oracle" => {
+            return Err(Error::InvalidRequest(
+                "the oracle scores sets through the engine: `recall episode run|eval --policy oracle` \
+                 builds it (agent::offline::oracle_allocations)"
+                    .into(),
+            ))
+        }
         other => {
             return Err(Error::InvalidRequest(format!(
-                "unknown policy `{other}` (recent, random, rgb, selector, inverted)"
+                "unknown policy `{other}` (recent, random, rgb, selector, inverted, oracle)"
             )))
         }
     })

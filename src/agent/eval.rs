@@ -435,7 +435,7 @@ fn group(subset: Option<String>, episodes: usize, counts: Counts) -> GroupReport
 }
 
 /// SplitMix64 (Steele, Lea, Flood 2014): a small, seedable, portable generator.
-struct SplitMix64(u64);
+pub(crate) struct SplitMix64(pub(crate) u64);
 
 impl SplitMix64 {
     fn next_u64(&mut self) -> u64 {
@@ -447,13 +447,13 @@ impl SplitMix64 {
     }
 
     /// Uniform in `0..n` (multiply-shift; bias below n / 2⁶⁴).
-    fn below(&mut self, n: usize) -> usize {
+    pub(crate) fn below(&mut self, n: usize) -> usize {
         ((u128::from(self.next_u64()) * n as u128) >> 64) as usize
     }
 }
 
 /// Percentile interval of `samples` (sorted in place) at `confidence`, NumPy-style linear interpolation.
-fn percentile_interval(samples: &mut [f64], confidence: f64) -> Interval {
+pub(crate) fn percentile_interval(samples: &mut [f64], confidence: f64) -> Interval {
     samples.sort_by(f64::total_cmp);
     let q = |p: f64| {
         let h = (samples.len() - 1) as f64 * p;

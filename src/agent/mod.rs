@@ -7,4 +7,5 @@ pub mod dataset;
 pub mod demo;
 pub mod eval;
 pub mod labels;
+pub mod offline;
 pub mod scopemem;

@@ -2,14 +2,20 @@
 
 use std::path::PathBuf;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Subcommand;
 use recall::agent::causalcache::TwoPassConfig;
 use recall::agent::causalcache::{make_policy, run_episode, steps_table, PolicyChoice};
 use recall::agent::chart::{write_allocation_chart, AllocationRow};
+use recall::agent::eval::BootstrapConfig;
 use recall::agent::labels::{episode_name, label_episode, LabelSource};
+use recall::agent::offline::{
+    evaluate_steps, oracle_allocations, summarise, write_margin_chart, Given, OracleConfig,
+};
 use recall::backend::{select, Backend, BackendArgs};
+use recall::engine::Session;
 use recall::memory::episode::Episode;
+use recall::memory::policy::AllocationPolicy;
 use recall::memory::protocol::{render_decision, Protocol};
 use recall::memory::selector::Mode;
 use recall::with_backend;
@@ -20,6 +26,9 @@ use super::{load, write_file, ModelArgs};
 pub enum EpisodeCommand {
     /// Replay a recorded episode with the two-pass step (history teacher-forced from the record).
     Run(RunArgs),
+    /// Evaluate an allocation policy offline over recorded episodes: full-action match and the
+    /// log-likelihood margin over Recent-B, with episode-bootstrap intervals (JSON, Markdown, chart).
+    Eval(EvalArgs),
     /// Write utility labels Q(S) (mean log-prob of the recorded response) as JSONL.
     Label(LabelArgs),
     /// Write one step's prompt as OpenAI-style messages (images as paths) that `recall logits` accepts.
@@ -58,7 +67,8 @@ pub struct RunArgs {
 /// The allocation policy and the learned selector's options.
 #[derive(clap::Args)]
 pub struct PolicyArgs {
-    /// recent, random, rgb, selector or inverted.
+    /// recent, random, rgb, selector, inverted, or oracle (the beam over true utilities from the
+    /// engine on the recorded response, falling back to Recent-B when it scores higher).
     #[arg(long, default_value = "recent")]
     policy: String,
     /// The learned scorer (safetensors) for selector and inverted.
@@ -73,6 +83,9 @@ pub struct PolicyArgs {
     /// Seed of the random policy.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// The oracle's beam width (sets kept per level, children per parent).
+    #[arg(long, default_value_t = recall::memory::selector::DEFAULT_BEAM)]
+    oracle_beam: usize,
 }
 
 impl PolicyArgs {
@@ -85,6 +98,33 @@ impl PolicyArgs {
             seed: self.seed,
         }
     }
+}
+
+#[derive(clap::Args)]
+pub struct EvalArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Episode directories (comma-separated or repeated).
+    #[arg(long, value_delimiter = ',', required = true)]
+    episode: Vec<PathBuf>,
+    /// History screenshots per prompt (B).
+    #[arg(long, default_value_t = 4)]
+    budget: usize,
+    #[command(flatten)]
+    policy: PolicyArgs,
+    #[arg(long, value_parser = parse_protocol)]
+    protocol: Option<Protocol>,
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    /// Bootstrap rounds (0: no intervals).
+    #[arg(long, default_value_t = 1000)]
+    resamples: usize,
+    /// Seed of the bootstrap.
+    #[arg(long, default_value_t = 0)]
+    bootstrap_seed: u64,
+    /// Output directory: eval.json, eval.md, margins.png.
+    #[arg(long)]
+    out: PathBuf,
 }
 
 #[derive(clap::Args)]
@@ -135,6 +175,7 @@ fn parse_compose_mode(s: &str) -> std::result::Result<Mode, String> {
 pub fn run(command: EpisodeCommand) -> Result<()> {
     match command {
         EpisodeCommand::Run(a) => with_backend!(select(a.model.backend.backend)?, be => replay(be, &a)),
+        EpisodeCommand::Eval(a) => with_backend!(select(a.model.backend.backend)?, be => evaluate(be, &a)),
         EpisodeCommand::Label(a) => with_backend!(select(a.model.backend.backend)?, be => label(be, &a)),
         EpisodeCommand::Render(a) => render(&a),
     }
@@ -143,7 +184,6 @@ pub fn run(command: EpisodeCommand) -> Result<()> {
 fn replay<B: Backend>(be: B, a: &RunArgs) -> Result<()> {
     let p = load(be, &a.model)?;
     let ep = Episode::load(&a.episode)?;
-    let mut policy = make_policy(&a.policy.choice())?;
     let cfg = TwoPassConfig {
         budget: a.budget,
         protocol: a.protocol.unwrap_or(Protocol::for_platform(ep.platform)),
@@ -152,7 +192,9 @@ fn replay<B: Backend>(be: B, a: &RunArgs) -> Result<()> {
         draft: !a.no_draft,
     };
     let mut engine = p.engine(a.model.engine_config())?;
-    let reports = run_episode(&mut p.session(&mut engine), &ep, policy.as_mut(), &cfg)?;
+    let mut session = p.session(&mut engine);
+    let mut policy = episode_policy(&mut session, &ep, &a.policy, &cfg)?;
+    let reports = run_episode(&mut session, &ep, policy.as_mut(), &cfg)?;
     print!("{}", steps_table(&reports));
     if let Some(path) = &a.json {
         write_file(path, serde_json::to_string_pretty(&reports)?)?;
@@ -161,6 +203,71 @@ fn replay<B: Backend>(be: B, a: &RunArgs) -> Result<()> {
         let rows: Vec<AllocationRow> = reports.iter().map(AllocationRow::from).collect();
         write_allocation_chart(&rows, path)?;
     }
+    Ok(())
+}
+
+/// The policy of one episode: the oracle's allocations are computed first (they need the engine).
+fn episode_policy(
+    s: &mut dyn Session,
+    ep: &Episode,
+    args: &PolicyArgs,
+    cfg: &TwoPassConfig,
+) -> Result<Box<dyn AllocationPolicy>> {
+    if args.policy != "oracle" {
+        return Ok(make_policy(&args.choice())?);
+    }
+    let oracle = OracleConfig {
+        protocol: cfg.protocol,
+        budget: cfg.budget,
+        adapter: cfg.adapter,
+        beam_width: args.oracle_beam,
+        max_replacements: args.max_replacements,
+    };
+    let choices = oracle_allocations(s, ep, &oracle)?;
+    Ok(Box::new(Given::from_oracle(&choices)))
+}
+
+fn evaluate<B: Backend>(be: B, a: &EvalArgs) -> Result<()> {
+    let p = load(be, &a.model)?;
+    let mut engine = p.engine(a.model.engine_config())?;
+    let mut session = p.session(&mut engine);
+    let mut rows = Vec::new();
+    for dir in &a.episode {
+        let ep = Episode::load(dir)?;
+        let cfg = TwoPassConfig {
+            budget: a.budget,
+            protocol: a.protocol.unwrap_or(Protocol::for_platform(ep.platform)),
+            max_tokens: a.max_tokens,
+            adapter: a.model.request_adapter(),
+            draft: true,
+        };
+        let mut policy = episode_policy(&mut session, &ep, &a.policy, &cfg)?;
+        let reports = run_episode(&mut session, &ep, policy.as_mut(), &cfg)?;
+        rows.extend(evaluate_steps(
+            &mut session,
+            &ep,
+            &episode_name(dir),
+            &reports,
+            cfg.protocol,
+            cfg.adapter,
+        )?);
+    }
+    let bootstrap = BootstrapConfig {
+        resamples: a.resamples,
+        seed: a.bootstrap_seed,
+        ..BootstrapConfig::default()
+    };
+    let report = summarise(&a.policy.policy, a.budget, rows, bootstrap);
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    write_file(&a.out.join("eval.json"), serde_json::to_string_pretty(&report)?)?;
+    let md = report.to_markdown();
+    write_file(&a.out.join("eval.md"), &md)?;
+    write_margin_chart(&report.rows, &a.out.join("margins.png"))?;
+    print!("{md}");
+    println!(
+        "\nwrote eval.json, eval.md and margins.png to {}",
+        a.out.display()
+    );
     Ok(())
 }
 
