@@ -42,6 +42,22 @@ pub struct RunArgs {
     /// Episode directory (episode.json + screenshots; docs/FORMATS.md).
     #[arg(long)]
     episode: PathBuf,
+    #[command(flatten)]
+    replay: ReplayArgs,
+    /// Decode pass 2 without drafting from the proposal.
+    #[arg(long)]
+    no_draft: bool,
+    /// Also write the per-step reports as JSON.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Also draw the allocation chart (PNG).
+    #[arg(long)]
+    chart: Option<PathBuf>,
+}
+
+/// How an episode is replayed: budget, policy, protocol, pass length.
+#[derive(clap::Args)]
+pub struct ReplayArgs {
     /// History screenshots per prompt (B).
     #[arg(long, default_value_t = 4)]
     budget: usize,
@@ -53,15 +69,18 @@ pub struct RunArgs {
     /// Most generated tokens per pass.
     #[arg(long, default_value_t = 256)]
     max_tokens: usize,
-    /// Decode pass 2 without drafting from the proposal.
-    #[arg(long)]
-    no_draft: bool,
-    /// Also write the per-step reports as JSON.
-    #[arg(long)]
-    json: Option<PathBuf>,
-    /// Also draw the allocation chart (PNG).
-    #[arg(long)]
-    chart: Option<PathBuf>,
+}
+
+impl ReplayArgs {
+    fn config(&self, ep: &Episode, model: &ModelArgs, draft: bool) -> TwoPassConfig {
+        TwoPassConfig {
+            budget: self.budget,
+            protocol: self.protocol.unwrap_or(Protocol::for_platform(ep.platform)),
+            max_tokens: self.max_tokens,
+            adapter: model.request_adapter(),
+            draft,
+        }
+    }
 }
 
 /// The allocation policy and the learned selector's options.
@@ -107,15 +126,8 @@ pub struct EvalArgs {
     /// Episode directories (comma-separated or repeated).
     #[arg(long, value_delimiter = ',', required = true)]
     episode: Vec<PathBuf>,
-    /// History screenshots per prompt (B).
-    #[arg(long, default_value_t = 4)]
-    budget: usize,
     #[command(flatten)]
-    policy: PolicyArgs,
-    #[arg(long, value_parser = parse_protocol)]
-    protocol: Option<Protocol>,
-    #[arg(long, default_value_t = 256)]
-    max_tokens: usize,
+    replay: ReplayArgs,
     /// Bootstrap rounds (0: no intervals).
     #[arg(long, default_value_t = 1000)]
     resamples: usize,
@@ -184,16 +196,10 @@ pub fn run(command: EpisodeCommand) -> Result<()> {
 fn replay<B: Backend>(be: B, a: &RunArgs) -> Result<()> {
     let p = load(be, &a.model)?;
     let ep = Episode::load(&a.episode)?;
-    let cfg = TwoPassConfig {
-        budget: a.budget,
-        protocol: a.protocol.unwrap_or(Protocol::for_platform(ep.platform)),
-        max_tokens: a.max_tokens,
-        adapter: a.model.request_adapter(),
-        draft: !a.no_draft,
-    };
+    let cfg = a.replay.config(&ep, &a.model, !a.no_draft);
     let mut engine = p.engine(a.model.engine_config())?;
     let mut session = p.session(&mut engine);
-    let mut policy = episode_policy(&mut session, &ep, &a.policy, &cfg)?;
+    let mut policy = episode_policy(&mut session, &ep, &a.replay.policy, &cfg)?;
     let reports = run_episode(&mut session, &ep, policy.as_mut(), &cfg)?;
     print!("{}", steps_table(&reports));
     if let Some(path) = &a.json {
@@ -234,14 +240,8 @@ fn evaluate<B: Backend>(be: B, a: &EvalArgs) -> Result<()> {
     let mut rows = Vec::new();
     for dir in &a.episode {
         let ep = Episode::load(dir)?;
-        let cfg = TwoPassConfig {
-            budget: a.budget,
-            protocol: a.protocol.unwrap_or(Protocol::for_platform(ep.platform)),
-            max_tokens: a.max_tokens,
-            adapter: a.model.request_adapter(),
-            draft: true,
-        };
-        let mut policy = episode_policy(&mut session, &ep, &a.policy, &cfg)?;
+        let cfg = a.replay.config(&ep, &a.model, true);
+        let mut policy = episode_policy(&mut session, &ep, &a.replay.policy, &cfg)?;
         let reports = run_episode(&mut session, &ep, policy.as_mut(), &cfg)?;
         rows.extend(evaluate_steps(
             &mut session,
@@ -257,7 +257,7 @@ fn evaluate<B: Backend>(be: B, a: &EvalArgs) -> Result<()> {
         seed: a.bootstrap_seed,
         ..BootstrapConfig::default()
     };
-    let report = summarise(&a.policy.policy, a.budget, rows, bootstrap);
+    let report = summarise(&a.replay.policy.policy, a.replay.budget, rows, bootstrap);
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     write_file(&a.out.join("eval.json"), serde_json::to_string_pretty(&report)?)?;
     let md = report.to_markdown();
