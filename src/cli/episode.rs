@@ -93,10 +93,12 @@ pub struct PolicyArgs {
     /// The learned scorer (safetensors) for selector and inverted.
     #[arg(long)]
     selector: Option<PathBuf>,
-    /// Selector composition: paper or reference.
+    /// Selector composition: paper (beam over swaps from Recent-B), greedy (single swap loop) or
+    /// reference (the authors' beam from the empty set).
     #[arg(long, default_value = "paper", value_parser = parse_compose_mode)]
     mode: Mode,
-    /// Most older events the selector may promote [default: B].
+    /// Most older events the selector (or the oracle) may promote [default: B for paper and greedy,
+    /// unlimited for reference and the oracle].
     #[arg(long)]
     max_replacements: Option<usize>,
     /// Seed of the random policy.

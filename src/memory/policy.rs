@@ -11,7 +11,8 @@
 //!   splitmix64(t))`.
 //! * [`Rgb`] — the `B` pool events whose 32×32 thumbnails ([`thumbnail`]) have the smallest mean
 //!   absolute difference to the current screen's (ties: the more recent).
-//! * [`Selector`] — the learned scorer through [`compose_with`] (paper or reference mode).
+//! * [`Selector`] — the learned scorer through [`compose_with`] (paper, greedy or reference
+//!   [`Mode`]).
 //! * [`Inverted`] — the same with the negated score (a specificity control).
 //! * [`OracleBeam`] — the reference-mode beam with true set utilities from a [`UtilityOracle`].
 

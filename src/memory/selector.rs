@@ -8,8 +8,13 @@
 //!    then 8 set-context features; order = [`FEATURE_NAMES`]).
 //! 2. **Marginal scorer** ([`MarginalScorer`]): a 28→H→H→1 MLP predicting the marginal utility
 //!    `Δ(j | S)` of adding event `j` to `S`. Any [`MarginalModel`] (including a closure) can stand in.
-//! 3. **Composition** ([`compose`], [`compose_with`]): an exact-`B` set, in the paper's swap form
-//!    ([`Mode::Paper`]) or the authors' beam form ([`Mode::Reference`]).
+//! 3. **Composition** ([`compose`], [`compose_with`]): an exact-`B` set, in one of three [`Mode`]s.
+//!    [`Mode::Paper`]: a small beam over swap sequences initialized at Recent-B, where an older
+//!    event enters only by beating the predicted marginal of the recent event it evicts, so
+//!    declining every swap recovers Recent-B exactly. [`Mode::Greedy`]: the same swap rule as a
+//!    single greedy loop (weakest recent event against strongest challenger). [`Mode::Reference`]:
+//!    the authors' code, a beam that builds the set from empty over the deduplicated pool.
+//!    `max_replacements` caps the events outside Recent-B in all three.
 //!
 //! # Definitions
 //!
@@ -53,7 +58,7 @@
 //! `nn.GELU()`. `tools/convert_selector_pt.py` writes this file from the reference trainer's
 //! `marginal_scorer.pt`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
 use crate::error::{Error, Result};
@@ -923,26 +928,57 @@ impl MarginalModel for MarginalScorer {
 // ---------------------------------------------------------------------------------------------------
 // Composition.
 
-/// How [`compose`] builds the set.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How [`compose`] builds the set. All three are exact-`B`; [`compose_with`] has the details.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Mode {
-    /// The paper: start from Recent-B; an older event enters only by beating the predicted marginal of
-    /// the recent event it evicts.
+    /// The paper: a small beam over sequences of swaps, initialized at Recent-B. An older event
+    /// enters only by beating the predicted marginal of the recent event it evicts; declining every
+    /// swap returns Recent-B exactly.
     Paper,
+    /// A single greedy swap loop from Recent-B: each step evicts the weakest recent event and admits
+    /// the strongest challenger if it beats it (the paper's rule without the beam).
+    Greedy,
     /// The authors' code: beam search from the empty set over the deduplicated pool.
     Reference,
+}
+
+impl Mode {
+    /// The name [`FromStr`](std::str::FromStr) accepts: `paper`, `greedy` or `reference`.
+    ///
+    /// ```
+    /// use recall::memory::selector::Mode;
+    /// for mode in [Mode::Paper, Mode::Greedy, Mode::Reference] {
+    ///     assert_eq!(mode.as_str().parse::<Mode>()?, mode);
+    /// }
+    /// assert!("beam".parse::<Mode>().is_err());
+    /// # Ok::<(), recall::Error>(())
+    /// ```
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Paper => "paper",
+            Mode::Greedy => "greedy",
+            Mode::Reference => "reference",
+        }
+    }
+}
+
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 impl std::str::FromStr for Mode {
     type Err = crate::Error;
 
-    /// `paper` or `reference`.
+    /// `paper`, `greedy` or `reference`.
     fn from_str(s: &str) -> crate::Result<Self> {
         match s {
             "paper" => Ok(Mode::Paper),
+            "greedy" => Ok(Mode::Greedy),
             "reference" => Ok(Mode::Reference),
             other => Err(crate::Error::InvalidRequest(format!(
-                "selector mode `{other}`: expected paper or reference"
+                "selector mode `{other}`: expected paper, greedy or reference"
             ))),
         }
     }
@@ -952,17 +988,19 @@ impl std::str::FromStr for Mode {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ComposeOptions {
     pub mode: Mode,
-    /// Paper: the most swaps (default `B`). Reference: the most chosen events outside Recent-B
-    /// (default unlimited).
+    /// The most chosen events outside Recent-B (`k`), in every mode. Paper: the most beam rounds
+    /// (each round adds one swap, i.e. one entered event, to every path), default `B`. Greedy: the
+    /// most swaps, default `B`. Reference: children with more pool events outside Recent-B are
+    /// dropped, default unlimited. `Some(0)` gives Recent-B in every mode.
     pub max_replacements: Option<usize>,
-    /// Reference mode: sets kept per level.
+    /// Paper mode: sets kept per round. Reference mode: sets kept per level. At least 1.
     pub beam_width: usize,
-    /// Reference mode: children kept per parent (by predicted marginal).
+    /// Reference mode only: children kept per parent (by predicted marginal). At least 1.
     pub children_per_parent: usize,
 }
 
 impl ComposeOptions {
-    /// Defaults for `mode`: beam 3, 3 children per parent, no replacement cap.
+    /// Defaults for `mode`: beam 3, 3 children per parent, the mode's default replacement cap.
     pub fn new(mode: Mode) -> Self {
         ComposeOptions {
             mode,
@@ -973,7 +1011,7 @@ impl ComposeOptions {
     }
 }
 
-/// One accepted swap of [`Mode::Paper`].
+/// One accepted swap of [`Mode::Paper`] or [`Mode::Greedy`], where `S` is the set it was made from.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Swap {
     /// The recent event that lost its image.
@@ -986,22 +1024,30 @@ pub struct Swap {
     pub entered_marginal: f32,
 }
 
+impl Swap {
+    /// `entered_marginal − evicted_marginal` in f64: what the swap adds to [`Allocation::score`].
+    pub fn gain(&self) -> f64 {
+        self.entered_marginal as f64 - self.evicted_marginal as f64
+    }
+}
+
 /// The result of [`compose`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct Allocation {
     /// Chosen steps, ascending; `min(B, #events)` of them.
     pub steps: Vec<usize>,
-    /// Number of chosen steps outside Recent-B.
+    /// Number of chosen steps outside Recent-B (in paper and greedy mode, `swaps.len()`).
     pub k: usize,
     /// Recent-B, for reference.
     pub recent: Vec<usize>,
-    /// Reference mode: the accumulated predicted marginal of the chosen beam path. Paper mode: the
-    /// summed gains `entered_marginal − evicted_marginal` of the accepted swaps. 0 on fallback.
+    /// Reference mode: the accumulated predicted marginal of the chosen beam path. Paper and greedy
+    /// mode: the gains ([`Swap::gain`]) of `swaps` summed in order in f64, starting from 0. 0 on
+    /// fallback.
     pub score: f64,
-    /// Paper mode: the accepted swaps in order.
+    /// Paper and greedy mode: the accepted swaps of the returned path, in order.
     pub swaps: Vec<Swap>,
     /// Recent-B was returned because the pool had fewer than `B` candidates (or the beam could not
-    /// fill `B` slots under `max_replacements`).
+    /// fill `B` slots under `max_replacements`). Reference mode only.
     pub fell_back: bool,
 }
 
@@ -1030,9 +1076,15 @@ impl Allocation {
 /// // A model that values witnesses, then recency: step 2 displaces the recent event with the
 /// // lowest marginal (step 7), and no other older event beats a recent one.
 /// let model = |f: &[f32; 28]| f[10] * 5.0 - f[0] * 0.01;
-/// let a = compose(&ctx, 3, &model, Mode::Paper, None)?;
-/// assert_eq!(a.steps, vec![2, 8, 9]);
-/// assert_eq!(a.k, 1);
+/// for mode in [Mode::Paper, Mode::Greedy] {
+///     let a = compose(&ctx, 3, &model, mode, None)?;
+///     assert_eq!(a.steps, vec![2, 8, 9]);
+///     assert_eq!(a.k, 1);
+///     assert_eq!((a.swaps[0].evicted, a.swaps[0].entered), (7, 2));
+/// }
+/// // Declining every swap (no older event can win) recovers Recent-B exactly.
+/// let a = compose(&ctx, 3, &|f: &[f32; 28]| -f[0], Mode::Paper, None)?;
+/// assert_eq!((a.steps, a.k), (vec![7, 8, 9], 0));
 /// # Ok::<(), recall::Error>(())
 /// ```
 pub fn compose<M: MarginalModel + ?Sized>(
@@ -1049,25 +1101,52 @@ pub fn compose<M: MarginalModel + ?Sized>(
     compose_with(ctx, budget, scorer, &options)
 }
 
-/// Composes an exact-`B` allocation: `|steps| = min(B, #events)`.
+/// Composes an exact-`B` allocation: `|steps| = min(B, #events)`. With `B = 0` or at most `B`
+/// events, every event (Recent-B), in every mode.
 ///
-/// **Paper** ([`Mode::Paper`]): `S` = Recent-B. Repeat at most `max_replacements` (default `B`)
+/// Paper and greedy mode share one move, the **swap** from a set `S`: evict a recent event
+/// `e ∈ S ∩ Recent-B` and bring in a challenger `o`, a pool event outside `S` and outside
+/// Recent-B. Its gain is `Δ̂(o | S∖{e}) − Δ̂(e | S∖{e})` (f32 marginals, difference in f64), and it
+/// is *admissible* only if the gain is `> 0`: the entering event beats the predicted marginal of
+/// the recent event it evicts (a NaN marginal on either side, or `+∞` against `+∞`, is never
+/// admissible). Entered events are never evicted and evicted events never return, so every swap
+/// adds one to `k`, no path has more than `B` swaps, and declining every swap returns Recent-B
+/// exactly.
+///
+/// **Paper** ([`Mode::Paper`]): a beam over swap sequences. The beam starts as `{Recent-B}` with
+/// score 0. Each round (at most `max_replacements`, default `B`, rounds, so `k ≤
+/// max_replacements`), every set in the beam proposes every admissible swap; a child's score is
+/// its parent's plus the gain. Children are generated in beam order, then by evicted step
+/// ascending (the older recent event first), then by entered step descending (the more recent
+/// challenger first). A set reached by several paths keeps its highest score and that path (equal
+/// scores: the path generated first). The `beam_width` best sets survive, ranked by that score
+/// (equal scores: by when that path was generated). Composition stops when no set in the beam
+/// has an admissible swap, or after the last round. The result is the best set seen over all
+/// rounds, Recent-B included with score 0 (a later round's best replaces it only with a strictly
+/// higher score), with its path's swaps. All of a round's marginals go through one
+/// [`MarginalModel::score_batch`] call, and a (candidate, `S∖{e}`) pair shared by several parents
+/// is scored once. With `beam_width` at least the number of distinct sets any round generates,
+/// this is exact: the result is the best-scoring set over all admissible swap sequences of at most
+/// `max_replacements` swaps (each set scored by its best path). Cost: about `|beam| · |S ∩
+/// Recent-B| · #challengers` rows per round, roughly twice reference mode's at `B = 4`.
+///
+/// **Greedy** ([`Mode::Greedy`]): `S` = Recent-B. Repeat at most `max_replacements` (default `B`)
 /// times: among the recent events still in `S`, the one to evict is the one with the lowest
-/// `Δ̂(e | S∖{e})` (ties: the older); the challenger is the pool event outside `S` and outside
-/// Recent-B with the highest `Δ̂(o | S∖{e})` (ties: the more recent). The swap happens only when
-/// `Δ̂(o | S∖{e}) > Δ̂(e | S∖{e})`; otherwise composition stops. Entered events are never evicted,
-/// so declining every swap returns Recent-B exactly.
+/// `Δ̂(e | S∖{e})` (NaN ranks lowest; ties: the older); the challenger is the pool event outside
+/// `S` and outside Recent-B with the highest `Δ̂(o | S∖{e})` (NaN ranks lowest; ties: the more
+/// recent). The swap happens only when `Δ̂(o | S∖{e}) > Δ̂(e | S∖{e})` with a non-NaN `Δ̂(o | ·)`;
+/// otherwise composition stops. (Unlike paper mode, a recent event with a NaN marginal counts as
+/// `−∞`, so any finite challenger evicts it, with an infinite gain.)
 ///
 /// **Reference** ([`Mode::Reference`]), after the authors' serving code: if the deduplicated pool
 /// has fewer than `B` events, Recent-B. Otherwise a beam over `B` levels from the empty set: each
 /// parent ranks the remaining pool events by `Δ̂(j | parent)` (stable, ties to the older) and keeps
 /// the top `children_per_parent`; a child's score is the parent's plus that marginal; children
-/// exceeding `max_replacements` pool events outside Recent-B are dropped; a set reached by two
-/// paths keeps the higher score (the authors keep the first generated — the two agree whenever the
-/// better path comes from the better parent); the `beam_width` best (stable) sets survive. The best
-/// final set is returned; if none reached size `B`, Recent-B.
-///
-/// Scores that are NaN rank below every number.
+/// exceeding `max_replacements` (default unlimited) pool events outside Recent-B are dropped; a
+/// set reached by two paths keeps the higher score (the authors keep the first generated — the
+/// two agree whenever the better path comes from the better parent); the `beam_width` best
+/// (stable) sets survive. The best final set is returned; if none reached size `B`, Recent-B
+/// (`fell_back`). Scores that are NaN rank below every number.
 pub fn compose_with<M: MarginalModel + ?Sized>(
     ctx: &DecisionContext,
     budget: usize,
@@ -1083,6 +1162,13 @@ pub fn compose_with<M: MarginalModel + ?Sized>(
     }
     match options.mode {
         Mode::Paper => paper(
+            &fc,
+            scorer,
+            recent,
+            options.max_replacements.unwrap_or(budget),
+            options.beam_width.max(1),
+        ),
+        Mode::Greedy => greedy(
             &fc,
             budget,
             scorer,
@@ -1142,7 +1228,177 @@ fn nan_low(x: f32) -> f32 {
     }
 }
 
+/// One path of [`Mode::Paper`]'s beam: the set it reached, its summed gain and its swaps.
+#[derive(Debug, Clone)]
+struct SwapPath {
+    set: Vec<usize>,
+    score: f64,
+    swaps: Vec<Swap>,
+}
+
+/// A distinct `S ∖ {e}` of one paper round: its challengers and where their rows start.
+struct Rest {
+    set: Vec<usize>,
+    open: Vec<usize>,
+    first: usize,
+}
+
 fn paper<M: MarginalModel + ?Sized>(
+    fc: &FeatureContext<'_>,
+    scorer: &M,
+    recent: Vec<usize>,
+    max_rounds: usize,
+    width: usize,
+) -> Result<Allocation> {
+    let challengers: Vec<usize> = fc
+        .pool()
+        .iter()
+        .copied()
+        .filter(|s| recent.binary_search(s).is_err())
+        .collect();
+    let mut best = SwapPath {
+        set: recent.clone(),
+        score: 0.0,
+        swaps: Vec::new(),
+    };
+    let mut beam = vec![best.clone()];
+    let mut rows: Vec<[f32; NUM_FEATURES]> = Vec::new();
+    let mut scores: Vec<f32> = Vec::new();
+    let mut rests: Vec<Rest> = Vec::new();
+    let mut rest_at: HashMap<Vec<usize>, usize> = HashMap::new();
+    let mut evict_at: HashMap<(usize, usize), usize> = HashMap::new();
+    // (parent, evicted, rest, row of the evicted event's marginal)
+    let mut proposals: Vec<(usize, usize, usize, usize)> = Vec::new();
+    let mut swaps: Vec<(f64, usize, usize)> = Vec::new();
+    for _ in 0..max_rounds.min(recent.len()) {
+        rows.clear();
+        rests.clear();
+        rest_at.clear();
+        evict_at.clear();
+        proposals.clear();
+        for (p, parent) in beam.iter().enumerate() {
+            for &e in parent.set.iter().filter(|s| recent.binary_search(s).is_ok()) {
+                let rest: Vec<usize> = parent.set.iter().copied().filter(|&s| s != e).collect();
+                let r = match rest_at.get(&rest) {
+                    Some(&r) => r,
+                    None => {
+                        // Entered events stay in the set, so "outside S" also excludes them.
+                        let open: Vec<usize> = challengers
+                            .iter()
+                            .copied()
+                            .filter(|c| rest.binary_search(c).is_err())
+                            .collect();
+                        let first = rows.len();
+                        for &o in &open {
+                            rows.push(fc.features(o, &rest)?);
+                        }
+                        rests.push(Rest {
+                            set: rest.clone(),
+                            open,
+                            first,
+                        });
+                        rest_at.insert(rest, rests.len() - 1);
+                        rests.len() - 1
+                    }
+                };
+                if rests[r].open.is_empty() {
+                    continue;
+                }
+                let row = match evict_at.get(&(e, r)) {
+                    Some(&row) => row,
+                    None => {
+                        rows.push(fc.features(e, &rests[r].set)?);
+                        evict_at.insert((e, r), rows.len() - 1);
+                        rows.len() - 1
+                    }
+                };
+                proposals.push((p, e, r, row));
+            }
+        }
+        if proposals.is_empty() {
+            break;
+        }
+        scorer.score_batch(&rows, &mut scores);
+        if scores.len() != rows.len() {
+            return Err(Error::InvalidRequest(
+                "selector: scorer returned the wrong number of scores".into(),
+            ));
+        }
+        // Admissible swaps as (child score, proposal, challenger index); generation order is
+        // proposal ascending, then challenger index descending (the more recent challenger first).
+        swaps.clear();
+        for (q, &(p, _, r, row)) in proposals.iter().enumerate() {
+            let evicted_marginal = scores[row] as f64;
+            let rest = &rests[r];
+            for i in (0..rest.open.len()).rev() {
+                let gain = scores[rest.first + i] as f64 - evicted_marginal;
+                // Declined unless > 0, including NaN (either marginal, or ∞ − ∞).
+                if gain.is_nan() || gain <= 0.0 {
+                    continue;
+                }
+                swaps.push((beam[p].score + gain, q, i));
+            }
+        }
+        if swaps.is_empty() {
+            break;
+        }
+        // Score descending (never NaN: gains are > 0), ties in generation order: a total order.
+        let rank = |a: &(f64, usize, usize), b: &(f64, usize, usize)| {
+            b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(b.2.cmp(&a.2))
+        };
+        // A set is generated at most once per parent, so the first `width` distinct sets in rank
+        // order lie within the first `width · |beam|` ranks: select those, then sort only them.
+        let keep = width.saturating_mul(beam.len()).min(swaps.len());
+        if keep < swaps.len() {
+            swaps.select_nth_unstable_by(keep - 1, rank);
+            swaps.truncate(keep);
+        }
+        swaps.sort_unstable_by(rank);
+        // Walking the ranking, a set's first occurrence is its best path.
+        let mut children: Vec<SwapPath> = Vec::with_capacity(width.min(keep));
+        let mut taken: HashSet<Vec<usize>> = HashSet::new();
+        for &(score, q, i) in swaps.iter() {
+            let (p, evicted, r, row) = proposals[q];
+            let rest = &rests[r];
+            let entered = rest.open[i];
+            let mut set = rest.set.clone();
+            set.insert(set.partition_point(|&s| s < entered), entered);
+            if !taken.insert(set.clone()) {
+                continue;
+            }
+            let mut path = Vec::with_capacity(beam[p].swaps.len() + 1);
+            path.extend_from_slice(&beam[p].swaps);
+            path.push(Swap {
+                evicted,
+                entered,
+                evicted_marginal: scores[row],
+                entered_marginal: scores[rest.first + i],
+            });
+            children.push(SwapPath {
+                set,
+                score,
+                swaps: path,
+            });
+            if children.len() == width {
+                break;
+            }
+        }
+        if children[0].score > best.score {
+            best = children[0].clone();
+        }
+        beam = children;
+    }
+    Ok(Allocation {
+        k: best.swaps.len(),
+        steps: best.set,
+        recent,
+        score: best.score,
+        swaps: best.swaps,
+        fell_back: false,
+    })
+}
+
+fn greedy<M: MarginalModel + ?Sized>(
     fc: &FeatureContext<'_>,
     budget: usize,
     scorer: &M,

@@ -87,7 +87,7 @@ impl EpisodeConfig {
             "method": self.method.name(),
             "budget": self.budget,
             "policy": self.policy.name,
-            "mode": match self.policy.mode { Mode::Paper => "paper", Mode::Reference => "reference" },
+            "mode": self.policy.mode.as_str(),
             "max_replacements": self.policy.max_replacements,
             "seed": self.policy.seed,
             "max_tokens": self.max_tokens,
