@@ -41,6 +41,7 @@ pub const MOBILE_ACTION_TYPES: [&str; NUM_ACTION_TYPES] = [
 
 /// Where the prefix goes in the second pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Placement {
     /// Before the whole prompt (the paper).
     #[default]
@@ -95,6 +96,8 @@ pub struct Opinions {
     pub second_pass_forwards: u64,
     /// Draft tokens the second pass accepted.
     pub accepted_draft: usize,
+    /// What the encoder read (what `recall scopemem dump` writes for the trainer).
+    pub context: StepContext,
 }
 
 /// The text of `first` up to and including the point where its tool call names the action
@@ -176,23 +179,122 @@ fn generate(
     Ok((g, out.forwards, out.accepted_draft))
 }
 
-/// Which end of a field the encoder keeps when it is longer than the encoder's positions.
-#[derive(Clone, Copy)]
-enum Keep {
-    First,
-    Last,
+/// The encoder's four text fields at a step, built from what serving knows there: the first opinion
+/// a0, the task, a rolling summary of the last three completed steps (`Step{i}: <response>` lines,
+/// numbered from 1) and the action names of the last five (a step whose response does not parse
+/// keeps its text).
+///
+/// ```
+/// use recall::agent::action::Platform;
+/// use recall::agent::scopemem::EncoderFields;
+/// let history = vec!["Action: open.\n<tool_call>\n{\"name\": \"mobile_use\", \"arguments\": {\"action\": \"open\", \"text\": \"Clock\"}}\n</tool_call>".to_string()];
+/// let f = EncoderFields::build("a0", "Set an alarm", &history, Platform::Mobile);
+/// assert!(f.summary.starts_with("Step1: Action: open."));
+/// assert_eq!(f.recent_actions, "open");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct EncoderFields {
+    pub first_opinion: String,
+    pub task: String,
+    pub summary: String,
+    pub recent_actions: String,
 }
 
-/// An encoder text field as the actor's frozen token embeddings, cut to `max` tokens.
-fn embed_text(s: &mut dyn Session, text: &str, max: usize, keep: Keep) -> Result<Vec<f32>> {
-    let mut ids = s.tokenizer().encode(text)?;
-    if ids.len() > max {
-        ids = match keep {
-            Keep::First => ids[..max].to_vec(),
-            Keep::Last => ids[ids.len() - max..].to_vec(),
-        };
+/// The fields as the actor's token ids, each cut to the encoder's positions: a0 and the task keep
+/// their start, the summary and the recent actions their end (whose newest part matters most).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct EncoderIds {
+    pub first_opinion: Vec<u32>,
+    pub task: Vec<u32>,
+    pub summary: Vec<u32>,
+    pub recent_actions: Vec<u32>,
+}
+
+impl EncoderFields {
+    /// The fields at a step (`history`: the completed steps' responses or action lines, oldest
+    /// first).
+    pub fn build(first: &str, task: &str, history: &[String], platform: Platform) -> Self {
+        let n = history.len();
+        let recent = &history[n.saturating_sub(3)..];
+        let summary: Vec<String> = recent
+            .iter()
+            .enumerate()
+            .map(|(i, l)| format!("Step{}: {l}", n - recent.len() + i + 1))
+            .collect();
+        let actions: Vec<String> = history[n.saturating_sub(5)..]
+            .iter()
+            .map(|h| {
+                parse_response(h, platform)
+                    .map(|a| a.name().to_string())
+                    .unwrap_or_else(|_| h.clone())
+            })
+            .collect();
+        EncoderFields {
+            first_opinion: first.to_string(),
+            task: task.to_string(),
+            summary: summary.join("\n"),
+            recent_actions: actions.join(", "),
+        }
     }
-    s.embed_tokens(&ids)
+
+    /// The token ids the encoder reads, at most `max` per field.
+    pub fn ids(&self, tokenizer: &crate::tokenize::Tokenizer, max: usize) -> Result<EncoderIds> {
+        let cut = |text: &str, keep_first: bool| -> Result<Vec<u32>> {
+            let ids = tokenizer.encode(text)?;
+            Ok(if ids.len() <= max {
+                ids
+            } else if keep_first {
+                ids[..max].to_vec()
+            } else {
+                ids[ids.len() - max..].to_vec()
+            })
+        };
+        Ok(EncoderIds {
+            first_opinion: cut(&self.first_opinion, true)?,
+            task: cut(&self.task, true)?,
+            summary: cut(&self.summary, false)?,
+            recent_actions: cut(&self.recent_actions, false)?,
+        })
+    }
+}
+
+/// Everything the encoder reads at a step, as serving computes it: a0 (text and tokens), p0 and
+/// H0 at a0's decision position, and the encoder's fields (text and the ids it embeds).
+/// `recall scopemem dump` writes exactly this per step for the trainer.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StepContext {
+    pub first: String,
+    pub first_tokens: Vec<u32>,
+    pub p0: [f32; NUM_ACTION_TYPES],
+    pub h0: f32,
+    pub fields: EncoderFields,
+    pub ids: EncoderIds,
+}
+
+/// The first pass and the encoder's inputs at a step (the one builder serving and `scopemem dump`
+/// share). `max_positions`: the encoder's.
+pub fn step_context(
+    s: &mut dyn Session,
+    prompt: &Prompt,
+    task: &str,
+    history: &[String],
+    platform: Platform,
+    max_tokens: usize,
+    max_positions: usize,
+) -> Result<StepContext> {
+    let (first, _, _) = generate(s, prompt, max_tokens, Vec::new())?;
+    let first_text = first.text.clone().unwrap_or_default();
+    let p0 = action_type_distribution(s, prompt, &first_text, platform)?;
+    let fields = EncoderFields::build(&first_text, task, history, platform);
+    let ids = fields.ids(s.tokenizer(), max_positions)?;
+    Ok(StepContext {
+        first: first_text,
+        first_tokens: first.tokens,
+        p0,
+        h0: action_type_entropy(&p0),
+        fields,
+        ids,
+    })
 }
 
 /// Runs the ScopeMem step on `prompt` (the actor's prompt with its generation prompt).
@@ -208,59 +310,38 @@ pub fn scopemem_step(
     platform: Platform,
     cfg: &ScopeMemConfig,
 ) -> Result<Opinions> {
-    let (first, _, _) = generate(s, prompt, cfg.max_tokens, Vec::new())?;
-    let first_text = first.text.clone().unwrap_or_default();
-    let p0 = action_type_distribution(s, prompt, &first_text, platform)?;
-    let recent: Vec<&String> = history
-        .iter()
-        .rev()
-        .take(3)
-        .collect::<Vec<_>>()
-        .into_iter()
-        .rev()
-        .collect();
-    let n = history.len();
-    let summary: Vec<String> = recent
-        .iter()
-        .enumerate()
-        .map(|(i, l)| format!("Step{}: {l}", n - recent.len() + i + 1))
-        .collect();
-    let actions: Vec<String> = history
-        .iter()
-        .rev()
-        .take(5)
-        .rev()
-        .map(|h| {
-            parse_response(h, platform)
-                .map(|a| a.name().to_string())
-                .unwrap_or_else(|_| h.clone())
-        })
-        .collect();
-    // Fields longer than the encoder's positions keep their start (a0, task) or their end (the
-    // summary and the recent actions, whose newest part matters most).
-    let max = encoder.config().max_positions;
+    let ctx = step_context(
+        s,
+        prompt,
+        task,
+        history,
+        platform,
+        cfg.max_tokens,
+        encoder.config().max_positions,
+    )?;
     let inputs = EncoderInputs {
-        first_opinion: embed_text(s, &first_text, max, Keep::First)?,
-        task: embed_text(s, task, max, Keep::First)?,
-        summary: embed_text(s, &summary.join("\n"), max, Keep::Last)?,
-        recent_actions: embed_text(s, &actions.join(", "), max, Keep::Last)?,
-        p0,
+        first_opinion: s.embed_tokens(&ctx.ids.first_opinion)?,
+        task: s.embed_tokens(&ctx.ids.task)?,
+        summary: s.embed_tokens(&ctx.ids.summary)?,
+        recent_actions: s.embed_tokens(&ctx.ids.recent_actions)?,
+        p0: ctx.p0,
     };
     let prefix = encoder.forward(&inputs)?;
     let second_prompt = with_prefix(s, prompt, prefix, cfg.placement)?;
     let draft = if cfg.draft {
-        first.tokens.clone()
+        ctx.first_tokens.clone()
     } else {
         Vec::new()
     };
     let (second, forwards, accepted) = generate(s, &second_prompt, cfg.max_tokens, draft)?;
     Ok(Opinions {
-        first: first_text,
-        p0,
-        h0: action_type_entropy(&p0),
+        first: ctx.first.clone(),
+        p0: ctx.p0,
+        h0: ctx.h0,
         second: second.text.unwrap_or_default(),
         second_pass_forwards: forwards,
         accepted_draft: accepted,
+        context: ctx,
     })
 }
 
@@ -305,6 +386,14 @@ pub fn with_prefix(
 /// The actor's prompt for a dataset step: the GUI-Owl protocol with the step's history folded, its
 /// earlier screenshots shown for the most recent steps, and the current screenshot last.
 pub fn dataset_prompt(s: &mut dyn Session, step: &EvalStep, platform: Platform) -> Result<Prompt> {
+    s.chat_prompt(&dataset_messages(step, platform)?)
+}
+
+/// The chat messages of [`dataset_prompt`] (images as paths).
+pub fn dataset_messages(
+    step: &EvalStep,
+    platform: Platform,
+) -> Result<Vec<crate::tokenize::chat::ChatMessage>> {
     let (current, earlier) = step
         .screenshots
         .split_last()
@@ -329,14 +418,13 @@ pub fn dataset_prompt(s: &mut dyn Session, step: &EvalStep, platform: Platform) 
         })
         .collect();
     let allocation: Vec<usize> = (first_shown + 1..=step.history.len()).collect();
-    let messages = render(
+    render(
         Protocol::for_platform(platform),
         &step.instruction,
         &completed,
         &allocation,
         current,
-    )?;
-    s.chat_prompt(&messages)
+    )
 }
 
 /// One evaluated dataset step: what the metrics need, and the ScopeMem details when it ran.
@@ -409,4 +497,62 @@ pub fn run_dataset(
     }
     bar.finish_and_clear();
     Ok(out)
+}
+
+/// One line of `recall scopemem dump`: a dataset step and what serving computes for it before the
+/// encoder (docs/SCOPEMEM.md "Training data"). The trainer reads only these lines.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DumpRecord {
+    pub episode: String,
+    pub step: u32,
+    /// 1-based line of the dataset.
+    pub line: usize,
+    pub subset: Option<String>,
+    /// The reference action (a response string).
+    pub reference: String,
+    pub target_box: Option<[u32; 4]>,
+    /// The actor's chat (OpenAI-style messages, images as paths) that renders the prompt.
+    pub messages: serde_json::Value,
+    /// Where the prefix goes in the second pass this data is for.
+    pub placement: Placement,
+    /// The action types of p0, in order.
+    pub action_types: [&'static str; NUM_ACTION_TYPES],
+    pub max_positions: usize,
+    #[serde(flatten)]
+    pub context: StepContext,
+}
+
+/// The dump line of one dataset step ([`step_context`] on [`dataset_prompt`]).
+pub fn dump_step(
+    s: &mut dyn Session,
+    step: &EvalStep,
+    platform: Platform,
+    placement: Placement,
+    max_tokens: usize,
+    max_positions: usize,
+) -> Result<DumpRecord> {
+    let messages = dataset_messages(step, platform)?;
+    let prompt = s.chat_prompt(&messages)?;
+    let context = step_context(
+        s,
+        &prompt,
+        &step.instruction,
+        &step.history,
+        platform,
+        max_tokens,
+        max_positions,
+    )?;
+    Ok(DumpRecord {
+        episode: step.episode.clone(),
+        step: step.step,
+        line: step.line,
+        subset: step.subset.clone(),
+        reference: step.reference.clone(),
+        target_box: step.target_box,
+        messages: crate::tokenize::chat::messages_to_json(&messages),
+        placement,
+        action_types: MOBILE_ACTION_TYPES,
+        max_positions,
+        context,
+    })
 }

@@ -1,4 +1,4 @@
-//! `recall scopemem run` and `recall eval`: ScopeMem and the actor over step-level datasets.
+//! `recall scopemem run|dump` and `recall eval`: ScopeMem and the actor over step-level datasets.
 
 use std::path::PathBuf;
 
@@ -6,7 +6,7 @@ use anyhow::Result;
 use clap::Subcommand;
 use recall::agent::dataset::StepDataset;
 use recall::agent::eval::{evaluate, BootstrapConfig, StepOutcome};
-use recall::agent::scopemem::{run_dataset, DatasetResult, Placement, ScopeMemConfig};
+use recall::agent::scopemem::{dump_step, run_dataset, DatasetResult, Placement, ScopeMemConfig};
 use recall::backend::{select, Backend};
 use recall::model::scopemem::ScopeMemEncoder;
 use recall::with_backend;
@@ -17,6 +17,37 @@ use super::{load, write_file, ModelArgs};
 pub enum ScopememCommand {
     /// Run ScopeMem over a dataset (or some of its lines) and print both opinions, p0 and H0 per step.
     Run(DatasetRunArgs),
+    /// Write, per dataset step, what serving computes before the encoder (the actor's chat, a0 and
+    /// its tokens, p0, H0, the encoder's fields and token ids, the reference) as JSONL: the
+    /// trainer's input (docs/SCOPEMEM.md).
+    Dump(DumpArgs),
+}
+
+#[derive(clap::Args)]
+pub struct DumpArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Step-level dataset (JSONL; docs/EVAL.md).
+    #[arg(long)]
+    dataset: PathBuf,
+    /// The placement the encoder will be trained for (recorded in every line).
+    #[arg(long, default_value = "prepend", value_parser = parse_placement)]
+    placement: Placement,
+    /// Encoder positions per field [default: an --encoder's max_positions, else 256].
+    #[arg(long)]
+    max_positions: Option<usize>,
+    /// An encoder whose max_positions the fields are cut to.
+    #[arg(long)]
+    encoder: Option<PathBuf>,
+    /// Most generated tokens of the first opinion.
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    /// Only these dataset lines (1-based).
+    #[arg(long, value_delimiter = ',')]
+    lines: Vec<usize>,
+    /// Output JSONL.
+    #[arg(long)]
+    out: PathBuf,
 }
 
 /// A model, a dataset and the ScopeMem settings.
@@ -82,8 +113,47 @@ fn run_on<B: Backend>(be: B, a: &DatasetRunArgs) -> Result<(StepDataset, Vec<Dat
     Ok((dataset, results))
 }
 
+fn dump<B: Backend>(be: B, a: &DumpArgs) -> Result<()> {
+    let p = load(be, &a.model)?;
+    let dataset = StepDataset::load(&a.dataset)?;
+    let max_positions = match (a.max_positions, &a.encoder) {
+        (Some(n), _) => n,
+        (None, Some(dir)) => ScopeMemEncoder::load(dir)?.config().max_positions,
+        (None, None) => 256,
+    };
+    let steps: Vec<_> = dataset
+        .steps
+        .iter()
+        .filter(|s| a.lines.is_empty() || a.lines.contains(&s.line))
+        .collect();
+    anyhow::ensure!(!steps.is_empty(), "{}: no step selected", a.dataset.display());
+    let mut engine = p.engine(a.model.engine_config())?;
+    let mut s = p.session(&mut engine);
+    let bar = indicatif::ProgressBar::new(steps.len() as u64).with_style(
+        indicatif::ProgressStyle::with_template("dumping {bar:30} {pos}/{len} steps")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let mut out = String::new();
+    for step in steps {
+        let record = dump_step(
+            &mut s,
+            step,
+            dataset.platform,
+            a.placement,
+            a.max_tokens,
+            max_positions,
+        )?;
+        out.push_str(&serde_json::to_string(&record)?);
+        out.push('\n');
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    write_file(&a.out, out)
+}
+
 pub fn run(command: ScopememCommand) -> Result<()> {
     match command {
+        ScopememCommand::Dump(a) => with_backend!(select(a.model.backend.backend)?, be => dump(be, &a)),
         ScopememCommand::Run(a) => {
             let (_, results) = run_dataset_args(&a)?;
             for r in &results {
