@@ -297,6 +297,19 @@ pub fn step_context(
     })
 }
 
+/// The encoder's prefix vectors `[K · hidden]` for a step's context: the fields' ids as the actor's
+/// frozen token embeddings, with p0.
+pub fn encoder_prefix(s: &mut dyn Session, encoder: &ScopeMemEncoder, ctx: &StepContext) -> Result<Vec<f32>> {
+    let inputs = EncoderInputs {
+        first_opinion: s.embed_tokens(&ctx.ids.first_opinion)?,
+        task: s.embed_tokens(&ctx.ids.task)?,
+        summary: s.embed_tokens(&ctx.ids.summary)?,
+        recent_actions: s.embed_tokens(&ctx.ids.recent_actions)?,
+        p0: ctx.p0,
+    };
+    encoder.forward(&inputs)
+}
+
 /// Runs the ScopeMem step on `prompt` (the actor's prompt with its generation prompt).
 ///
 /// `task` is the instruction, `history` the completed steps' action lines (oldest first).
@@ -319,14 +332,7 @@ pub fn scopemem_step(
         cfg.max_tokens,
         encoder.config().max_positions,
     )?;
-    let inputs = EncoderInputs {
-        first_opinion: s.embed_tokens(&ctx.ids.first_opinion)?,
-        task: s.embed_tokens(&ctx.ids.task)?,
-        summary: s.embed_tokens(&ctx.ids.summary)?,
-        recent_actions: s.embed_tokens(&ctx.ids.recent_actions)?,
-        p0: ctx.p0,
-    };
-    let prefix = encoder.forward(&inputs)?;
+    let prefix = encoder_prefix(s, encoder, &ctx)?;
     let second_prompt = with_prefix(s, prompt, prefix, cfg.placement)?;
     let draft = if cfg.draft {
         ctx.first_tokens.clone()
@@ -520,6 +526,10 @@ pub struct DumpRecord {
     pub max_positions: usize,
     #[serde(flatten)]
     pub context: StepContext,
+    /// With an encoder: the prefix vectors serving computes for this step (`[K · hidden]`, row-major)
+    /// — the reference a trainer's export is checked against.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefix: Option<Vec<f32>>,
 }
 
 /// The dump line of one dataset step ([`step_context`] on [`dataset_prompt`]).
@@ -530,6 +540,7 @@ pub fn dump_step(
     placement: Placement,
     max_tokens: usize,
     max_positions: usize,
+    encoder: Option<&ScopeMemEncoder>,
 ) -> Result<DumpRecord> {
     let messages = dataset_messages(step, platform)?;
     let prompt = s.chat_prompt(&messages)?;
@@ -542,6 +553,7 @@ pub fn dump_step(
         max_tokens,
         max_positions,
     )?;
+    let prefix = encoder.map(|e| encoder_prefix(s, e, &context)).transpose()?;
     Ok(DumpRecord {
         episode: step.episode.clone(),
         step: step.step,
@@ -554,5 +566,6 @@ pub fn dump_step(
         action_types: MOBILE_ACTION_TYPES,
         max_positions,
         context,
+        prefix,
     })
 }

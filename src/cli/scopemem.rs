@@ -36,7 +36,8 @@ pub struct DumpArgs {
     /// Encoder positions per field [default: an --encoder's max_positions, else 256].
     #[arg(long)]
     max_positions: Option<usize>,
-    /// An encoder whose max_positions the fields are cut to.
+    /// An encoder: the fields are cut to its max_positions, and each line also carries the prefix
+    /// vectors it computes (`prefix`), as serving would.
     #[arg(long)]
     encoder: Option<PathBuf>,
     /// Most generated tokens of the first opinion.
@@ -116,9 +117,10 @@ fn run_on<B: Backend>(be: B, a: &DatasetRunArgs) -> Result<(StepDataset, Vec<Dat
 fn dump<B: Backend>(be: B, a: &DumpArgs) -> Result<()> {
     let p = load(be, &a.model)?;
     let dataset = StepDataset::load(&a.dataset)?;
-    let max_positions = match (a.max_positions, &a.encoder) {
+    let encoder = a.encoder.as_deref().map(ScopeMemEncoder::load).transpose()?;
+    let max_positions = match (a.max_positions, &encoder) {
         (Some(n), _) => n,
-        (None, Some(dir)) => ScopeMemEncoder::load(dir)?.config().max_positions,
+        (None, Some(e)) => e.config().max_positions,
         (None, None) => 256,
     };
     let steps: Vec<_> = dataset
@@ -142,6 +144,7 @@ fn dump<B: Backend>(be: B, a: &DumpArgs) -> Result<()> {
             a.placement,
             a.max_tokens,
             max_positions,
+            encoder.as_ref(),
         )?;
         out.push_str(&serde_json::to_string(&record)?);
         out.push('\n');
