@@ -274,6 +274,19 @@ pub struct EvalReport {
     pub macro_avg: MacroReport,
     /// All steps pooled (micro).
     pub overall: GroupReport,
+    /// Every step's verdicts, by episode and step (what `recall eval --compare` pairs). Absent in reports
+    /// written before it existed.
+    #[serde(default)]
+    pub steps: Vec<StepRow>,
+}
+
+/// One step of a report: where it is and both opinions' verdicts.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepRow {
+    pub episode: String,
+    pub step: u32,
+    pub subset: Option<String>,
+    pub verdict: StepVerdict,
 }
 
 /// Full-action match of `candidate` against `reference` with an optional target box (module docs).
@@ -412,12 +425,25 @@ pub fn evaluate(steps: &[StepOutcome], platform: Platform, bootstrap: BootstrapC
         macro_avg.intervals = Some(macro_ci);
         overall.intervals = Some(overall_ci);
     }
+    let mut rows: Vec<StepRow> = steps
+        .iter()
+        .zip(&verdicts)
+        .map(|(s, v)| StepRow {
+            episode: s.episode.clone(),
+            step: s.step,
+            subset: s.subset.clone(),
+            verdict: *v,
+        })
+        .collect();
+    // The report does not depend on the order of the outcomes.
+    rows.sort_by(|a, b| (&a.episode, a.step).cmp(&(&b.episode, b.step)));
     Ok(EvalReport {
         platform: platform.as_str().to_string(),
         bootstrap,
         subsets,
         macro_avg,
         overall,
+        steps: rows,
     })
 }
 

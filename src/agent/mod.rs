@@ -3,9 +3,11 @@
 pub mod action;
 pub mod causalcache;
 pub mod chart;
+pub mod compare;
 pub mod dataset;
 pub mod demo;
 pub mod eval;
 pub mod labels;
 pub mod offline;
 pub mod scopemem;
+pub mod scorers;

@@ -69,6 +69,10 @@ enum Command {
 
 /// Parses the command line (applying `recall bench --tiny`'s preset) and runs the command.
 pub fn run() -> Result<()> {
+    let argv: Vec<String> = std::env::args().collect();
+    if scopemem::compare_requested(&argv) {
+        return scopemem::eval_compare(&argv);
+    }
     match bench::parse_with_presets()?.command {
         Command::Generate(a) => chat::generate(a),
         Command::Logits(a) => chat::logits(a),

@@ -2,10 +2,11 @@
 
 use std::path::PathBuf;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Subcommand;
+use recall::agent::compare::compare;
 use recall::agent::dataset::StepDataset;
-use recall::agent::eval::{evaluate, BootstrapConfig, StepOutcome};
+use recall::agent::eval::{evaluate, BootstrapConfig, EvalReport, StepOutcome};
 use recall::agent::scopemem::{dump_step, run_dataset, DatasetResult, Placement, ScopeMemConfig};
 use recall::backend::{select, Backend};
 use recall::model::scopemem::ScopeMemEncoder;
@@ -76,8 +77,20 @@ pub struct DatasetRunArgs {
 
 #[derive(clap::Args)]
 pub struct EvalArgs {
+    /// Compare two `recall eval --json` reports instead of running a model: B against A (keeps,
+    /// repairs, harms, paired advantage with an episode-bootstrap interval). Takes only
+    /// --bootstrap, --json and --markdown besides.
+    #[arg(long, num_args = 2, value_names = ["A_JSON", "B_JSON"])]
+    compare: Option<Vec<PathBuf>>,
     #[command(flatten)]
     run: DatasetRunArgs,
+    #[command(flatten)]
+    report: ReportArgs,
+}
+
+/// Where `recall eval` writes its report.
+#[derive(clap::Args)]
+pub struct ReportArgs {
     /// Bootstrap resamples for the 95% intervals (0: none).
     #[arg(long, default_value_t = 1000)]
     bootstrap: usize,
@@ -87,6 +100,66 @@ pub struct EvalArgs {
     /// Write the report as Markdown.
     #[arg(long)]
     markdown: Option<PathBuf>,
+}
+
+/// `recall eval --compare A.json B.json`: parsed on its own (it needs no model), see
+/// [`compare_requested`].
+#[derive(clap::Parser)]
+#[command(name = "recall eval")]
+pub struct CompareCli {
+    /// The two `recall eval --json` reports: B is compared against A.
+    #[arg(long, num_args = 2, value_names = ["A_JSON", "B_JSON"], required = true)]
+    compare: Vec<PathBuf>,
+    #[command(flatten)]
+    report: ReportArgs,
+}
+
+/// Whether the command line is `recall eval --compare ...` (clap cannot make the flattened model
+/// arguments optional, so this form is parsed by [`CompareCli`]).
+pub fn compare_requested(argv: &[String]) -> bool {
+    argv.get(1).is_some_and(|c| c == "eval")
+        && argv
+            .iter()
+            .any(|a| a == "--compare" || a.starts_with("--compare="))
+}
+
+/// Runs `recall eval --compare`.
+pub fn eval_compare(argv: &[String]) -> Result<()> {
+    use clap::Parser;
+    let a = CompareCli::parse_from(argv[1..].iter());
+    let read = |p: &PathBuf| -> Result<EvalReport> {
+        let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+        serde_json::from_str(&text)
+            .with_context(|| format!("{}: not a `recall eval --json` report", p.display()))
+    };
+    let (ra, rb) = (read(&a.compare[0])?, read(&a.compare[1])?);
+    let names = (
+        a.compare[0].display().to_string(),
+        a.compare[1].display().to_string(),
+    );
+    let c = compare(&ra, &rb, (&names.0, &names.1), a.report.bootstrap_config())?;
+    a.report
+        .write(&serde_json::to_string_pretty(&c)?, &c.to_markdown())
+}
+
+impl ReportArgs {
+    fn bootstrap_config(&self) -> BootstrapConfig {
+        BootstrapConfig {
+            resamples: self.bootstrap,
+            ..BootstrapConfig::default()
+        }
+    }
+
+    fn write(&self, json: &str, md: &str) -> Result<()> {
+        if let Some(path) = &self.json {
+            write_file(path, json)?;
+        }
+        if let Some(path) = &self.markdown {
+            write_file(path, md)?;
+        }
+        print!("{md}");
+        Ok(())
+    }
 }
 
 pub fn parse_placement(s: &str) -> std::result::Result<Placement, String> {
@@ -168,20 +241,9 @@ pub fn run(command: ScopememCommand) -> Result<()> {
 }
 
 pub fn eval(a: EvalArgs) -> Result<()> {
+    anyhow::ensure!(a.compare.is_none(), "--compare takes no model arguments");
     let (dataset, results) = run_dataset_args(&a.run)?;
     let outcomes: Vec<StepOutcome> = results.into_iter().map(|r| r.outcome).collect();
-    let boot = BootstrapConfig {
-        resamples: a.bootstrap,
-        ..BootstrapConfig::default()
-    };
-    let report = evaluate(&outcomes, dataset.platform, boot)?;
-    if let Some(path) = &a.json {
-        write_file(path, report.to_json())?;
-    }
-    let md = report.to_markdown();
-    if let Some(path) = &a.markdown {
-        write_file(path, &md)?;
-    }
-    print!("{md}");
-    Ok(())
+    let report = evaluate(&outcomes, dataset.platform, a.report.bootstrap_config())?;
+    a.report.write(&report.to_json(), &report.to_markdown())
 }
