@@ -146,3 +146,41 @@ fn compare_refuses_reports_it_cannot_pair() {
     std::fs::write(&pd, other.to_string()).unwrap();
     assert!(run(&pd).contains("share no (episode, step)"));
 }
+
+/// `--scorer` changes the rule of EM: AITW does not compare typed text (its authors' code matches
+/// non-gesture actions on type alone), recall's rule does; a comparison across rules is refused.
+#[test]
+fn the_scorer_sets_the_rule_and_comparisons_stay_within_one() {
+    use recall::agent::compare::compare;
+    use recall::agent::eval::evaluate_with;
+    use recall::agent::scorers::Scorer;
+    let typed = |text: &str| {
+        format!(
+            "<tool_call>\n{{\"name\": \"mobile_use\", \"arguments\": {{\"action\": \"type\", \"text\": \"{text}\"}}}}\n</tool_call>"
+        )
+    };
+    let steps: Vec<StepOutcome> = (0..4)
+        .map(|i| StepOutcome {
+            episode: format!("ep{i}"),
+            step: 0,
+            subset: None,
+            reference: typed("hello"),
+            first: typed("goodbye"),
+            second: typed("goodbye"),
+            target_box: None,
+        })
+        .collect();
+    let boot = BootstrapConfig {
+        resamples: 0,
+        ..BootstrapConfig::default()
+    };
+    let ours = evaluate_with(&steps, Platform::Mobile, boot, Scorer::Recall).unwrap();
+    let aitw = evaluate_with(&steps, Platform::Mobile, boot, Scorer::Aitw).unwrap();
+    assert_eq!(
+        (ours.overall.rates.em_second, aitw.overall.rates.em_second),
+        (0.0, 1.0)
+    );
+    assert_eq!((ours.scorer.as_str(), aitw.scorer.as_str()), ("recall", "aitw"));
+    let err = compare(&ours, &aitw, ("a", "b"), boot).unwrap_err().to_string();
+    assert!(err.contains("--scorer"), "{err}");
+}

@@ -167,7 +167,7 @@ class ScopeMemEncoder(nn.Module):
             n = e.shape[0]
             if n > self.cfg.max_positions:
                 raise ValueError(f"field {name}: {n} tokens > max_positions {self.cfg.max_positions}")
-            pos = torch.arange(n)
+            pos = torch.arange(n, device=e.device)
             x = self.in_proj(e.to(self.queries.dtype)) + self.segment_embed.weight[s] + self.pos_embed(pos)
             parts.append(x)
         return torch.cat(parts, 0)

@@ -84,6 +84,12 @@ pub fn compare(
             )));
         }
     }
+    if a.scorer != b.scorer {
+        return Err(Error::InvalidRequest(format!(
+            "{} was scored with `{}` and {} with `{}`: rerun one of them with the other's --scorer",
+            names.0, a.scorer, names.1, b.scorer
+        )));
+    }
     if a.platform != b.platform {
         return Err(Error::InvalidRequest(format!(
             "{} is a {} report and {} a {} one",

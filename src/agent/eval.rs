@@ -26,6 +26,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::agent::action::{equivalent, parse_response, Action, Platform};
 use crate::agent::dataset::{is_click_like, parse_reference};
+use crate::agent::scorers::{ScoreContext, Scorer};
 use crate::error::{Error, Result};
 
 /// One evaluated step: the reference and both opinions, as response strings.
@@ -266,6 +267,9 @@ pub struct MacroReport {
 pub struct EvalReport {
     /// `mobile` or `desktop`.
     pub platform: String,
+    /// The full-action rule of EM (`recall`, `aitw`, `androidcontrol`, `odyssey`).
+    #[serde(default = "recall_scorer")]
+    pub scorer: String,
     /// The bootstrap settings used.
     pub bootstrap: BootstrapConfig,
     /// Per subset, sorted by name (`None` first).
@@ -278,6 +282,10 @@ pub struct EvalReport {
     /// written before it existed.
     #[serde(default)]
     pub steps: Vec<StepRow>,
+}
+
+fn recall_scorer() -> String {
+    "recall".into()
 }
 
 /// One step of a report: where it is and both opinions' verdicts.
@@ -316,11 +324,17 @@ pub fn type_match(reference: &Action, candidate: &Action) -> bool {
     reference.platform == candidate.platform && reference.name() == candidate.name()
 }
 
-fn verdict(reference: &Action, output: &str, target_box: Option<[u32; 4]>, platform: Platform) -> Verdict {
+fn verdict(
+    reference: &Action,
+    output: &str,
+    ctx: &ScoreContext,
+    platform: Platform,
+    scorer: Scorer,
+) -> Verdict {
     match parse_response(output, platform) {
         Ok(a) => Verdict {
             parsed: true,
-            em: exact_match(reference, &a, target_box, platform),
+            em: scorer.matches(&a, reference, ctx),
             tm: type_match(reference, &a),
         },
         Err(_) => Verdict {
@@ -331,9 +345,18 @@ fn verdict(reference: &Action, output: &str, target_box: Option<[u32; 4]>, platf
     }
 }
 
-/// Scores every step (same order). Errors: a reference that does not parse, a target box on a reference
-/// that is not click-like or with `x0 > x1`, `y0 > y1` or a value above 999.
+/// Scores every step (same order) with recall's rule. Errors: a reference that does not parse, a
+/// target box on a reference that is not click-like or with `x0 > x1`, `y0 > y1` or a value above 999.
 pub fn score_steps(steps: &[StepOutcome], platform: Platform) -> Result<Vec<StepVerdict>> {
+    score_steps_with(steps, platform, Scorer::Recall)
+}
+
+/// [`score_steps`] with a benchmark's full-action rule for EM (`--scorer`); TM is the same for all.
+pub fn score_steps_with(
+    steps: &[StepOutcome],
+    platform: Platform,
+    scorer: Scorer,
+) -> Result<Vec<StepVerdict>> {
     steps
         .iter()
         .map(|s| {
@@ -355,9 +378,13 @@ pub fn score_steps(steps: &[StepOutcome], platform: Platform) -> Result<Vec<Step
                     )));
                 }
             }
+            let ctx = ScoreContext {
+                target_box: s.target_box,
+                ..ScoreContext::default()
+            };
             Ok(StepVerdict {
-                first: verdict(&reference, &s.first, s.target_box, platform),
-                second: verdict(&reference, &s.second, s.target_box, platform),
+                first: verdict(&reference, &s.first, &ctx, platform, scorer),
+                second: verdict(&reference, &s.second, &ctx, platform, scorer),
             })
         })
         .collect()
@@ -369,6 +396,16 @@ type Clusters = BTreeMap<Option<String>, BTreeMap<String, Counts>>;
 /// Evaluates `steps` (see the module docs). Errors: no steps, a repeated (episode, step), a bad
 /// reference or target box ([`score_steps`]), a confidence outside (0, 1).
 pub fn evaluate(steps: &[StepOutcome], platform: Platform, bootstrap: BootstrapConfig) -> Result<EvalReport> {
+    evaluate_with(steps, platform, bootstrap, Scorer::Recall)
+}
+
+/// [`evaluate`] with `scorer`'s full-action rule for EM.
+pub fn evaluate_with(
+    steps: &[StepOutcome],
+    platform: Platform,
+    bootstrap: BootstrapConfig,
+    scorer: Scorer,
+) -> Result<EvalReport> {
     if steps.is_empty() {
         return Err(Error::InvalidRequest("evaluate: no steps".into()));
     }
@@ -387,7 +424,7 @@ pub fn evaluate(steps: &[StepOutcome], platform: Platform, bootstrap: BootstrapC
             )));
         }
     }
-    let verdicts = score_steps(steps, platform)?;
+    let verdicts = score_steps_with(steps, platform, scorer)?;
     let mut clusters: Clusters = BTreeMap::new();
     for (s, v) in steps.iter().zip(&verdicts) {
         clusters
@@ -439,6 +476,7 @@ pub fn evaluate(steps: &[StepOutcome], platform: Platform, bootstrap: BootstrapC
     rows.sort_by(|a, b| (&a.episode, a.step).cmp(&(&b.episode, b.step)));
     Ok(EvalReport {
         platform: platform.as_str().to_string(),
+        scorer: scorer.to_string(),
         bootstrap,
         subsets,
         macro_avg,

@@ -506,7 +506,7 @@ pub fn run_dataset(
 }
 
 /// One line of `recall scopemem dump`: a dataset step and what serving computes for it before the
-/// encoder (docs/SCOPEMEM.md "Training data"). The trainer reads only these lines.
+/// encoder (docs/SCOPEMEM.md "Training from the dump"). The trainer reads only these lines.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct DumpRecord {
     pub episode: String,

@@ -6,8 +6,9 @@ use anyhow::{Context, Result};
 use clap::Subcommand;
 use recall::agent::compare::compare;
 use recall::agent::dataset::StepDataset;
-use recall::agent::eval::{evaluate, BootstrapConfig, EvalReport, StepOutcome};
+use recall::agent::eval::{evaluate_with, BootstrapConfig, EvalReport, StepOutcome};
 use recall::agent::scopemem::{dump_step, run_dataset, DatasetResult, Placement, ScopeMemConfig};
+use recall::agent::scorers::Scorer;
 use recall::backend::{select, Backend};
 use recall::model::scopemem::ScopeMemEncoder;
 use recall::with_backend;
@@ -84,6 +85,10 @@ pub struct EvalArgs {
     compare: Option<Vec<PathBuf>>,
     #[command(flatten)]
     run: DatasetRunArgs,
+    /// The full-action rule of EM: recall (the protocol's equivalence), aitw, androidcontrol or
+    /// odyssey (the benchmarks' authors' rules; docs/EVAL.md).
+    #[arg(long, default_value = "recall")]
+    scorer: Scorer,
     #[command(flatten)]
     report: ReportArgs,
 }
@@ -244,6 +249,6 @@ pub fn eval(a: EvalArgs) -> Result<()> {
     anyhow::ensure!(a.compare.is_none(), "--compare takes no model arguments");
     let (dataset, results) = run_dataset_args(&a.run)?;
     let outcomes: Vec<StepOutcome> = results.into_iter().map(|r| r.outcome).collect();
-    let report = evaluate(&outcomes, dataset.platform, a.report.bootstrap_config())?;
+    let report = evaluate_with(&outcomes, dataset.platform, a.report.bootstrap_config(), a.scorer)?;
     a.report.write(&report.to_json(), &report.to_markdown())
 }
