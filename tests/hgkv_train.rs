@@ -8,40 +8,14 @@
 //! RECALL_TRAIN_PYTHON; `.ci/run` installs them into .venv-train. Without it the test prints SKIP, except
 //! under CI=true, where it fails.
 
-use std::path::Path;
-use std::process::Command;
+mod common;
 
 #[test]
 fn the_hgkv_trainer_exports_an_adapter_recall_loads() {
-    let Some(python) = std::env::var_os("RECALL_TRAIN_PYTHON") else {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "CI must set RECALL_TRAIN_PYTHON to a Python with torch, transformers, peft and pytest (see .ci/run)"
-        );
-        eprintln!(
-            "SKIP: set RECALL_TRAIN_PYTHON to a Python with tools/tests/requirements-train.txt installed"
-        );
-        return;
-    };
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let out = Command::new(python)
-        .args([
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "tools/tests/test_hgkv_train.py",
-        ])
-        .env("RECALL_BIN", env!("CARGO_BIN_EXE_recall"))
-        .env("PYTHONDONTWRITEBYTECODE", "1")
-        .current_dir(root)
-        .output()
-        .expect("python runs");
-    assert!(
-        out.status.success(),
-        "pytest failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    common::run_pytest(
+        "RECALL_TRAIN_PYTHON",
+        "tools/tests/test_hgkv_train.py",
+        env!("CARGO_BIN_EXE_recall"),
+        "tools/tests/requirements-train.txt",
     );
 }

@@ -6,37 +6,14 @@
 //! `.ci/run` installs them into .venv-ci. Without it the test prints SKIP, except under CI=true,
 //! where it fails.
 
-use std::path::Path;
-use std::process::Command;
+mod common;
 
 #[test]
 fn the_official_openai_client_talks_to_recall_serve() {
-    let Some(python) = std::env::var_os("RECALL_OPENAI_PYTHON") else {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "CI must set RECALL_OPENAI_PYTHON to a Python with openai and pytest (see .ci/run)"
-        );
-        eprintln!("SKIP: set RECALL_OPENAI_PYTHON to a Python with tools/tests/requirements.txt installed");
-        return;
-    };
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let out = Command::new(python)
-        .args([
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "tools/tests/test_openai_client.py",
-        ])
-        .env("RECALL_BIN", env!("CARGO_BIN_EXE_recall"))
-        .current_dir(root)
-        .output()
-        .expect("python runs");
-    assert!(
-        out.status.success(),
-        "pytest failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    common::run_pytest(
+        "RECALL_OPENAI_PYTHON",
+        "tools/tests/test_openai_client.py",
+        env!("CARGO_BIN_EXE_recall"),
+        "tools/tests/requirements.txt",
     );
 }

@@ -226,3 +226,30 @@ pub fn shuffled_tables(rng: &mut fastrand::Rng, blocks: &[usize], spare: usize) 
     }
     (tables, num_blocks)
 }
+
+/// Runs `pytest` on `script` (relative to the crate root) with the Python named by the environment
+/// variable `python_var`, handing it this build's `recall` binary as RECALL_BIN. Without the variable
+/// it prints SKIP, except under CI=true, where `.ci/run` must have set it (it installs `needs`).
+pub fn run_pytest(python_var: &str, script: &str, recall_bin: &str, needs: &str) {
+    let Some(python) = std::env::var_os(python_var) else {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "CI must set {python_var} to a Python with {needs} (see .ci/run)"
+        );
+        eprintln!("SKIP: set {python_var} to a Python with {needs} installed");
+        return;
+    };
+    let out = std::process::Command::new(python)
+        .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", script])
+        .env("RECALL_BIN", recall_bin)
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("python runs");
+    assert!(
+        out.status.success(),
+        "pytest {script} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
