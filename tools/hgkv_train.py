@@ -82,6 +82,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from vl_inputs import image_paths  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARGIN = 0.01
 DRIFT_CAP = 0.02
@@ -269,18 +272,6 @@ class Renderer:
                 with open(out, encoding="utf-8") as f:
                     self.cache[key] = json.load(f)
         return self.cache[key]
-
-
-def image_paths(messages: list) -> list:
-    paths = []
-    for m in messages:
-        if isinstance(m.get("content"), list):
-            for p in m["content"]:
-                if p.get("type") == "image_url":
-                    paths.append(p["image_url"]["url"])
-                elif p.get("type") == "image":
-                    paths.append(p["image"])
-    return [p[len("file://"):] if p.startswith("file://") else p for p in paths]
 
 
 class Policy:

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from scopemem_encoder import FIELDS, ScopeMemConfig, ScopeMemEncoder  # noqa: E402
+from vl_inputs import image_paths  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ACTION_TYPES = ("key", "click", "long_press", "swipe", "type", "system_button", "open", "wait", "answer",
@@ -224,18 +225,6 @@ def decision_mask(tok, first_tokens: list, first: str) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- actor
-
-
-def image_paths(messages: list) -> list:
-    paths = []
-    for m in messages:
-        if isinstance(m.get("content"), list):
-            for p in m["content"]:
-                if p.get("type") == "image_url":
-                    paths.append(p["image_url"]["url"])
-                elif p.get("type") == "image":
-                    paths.append(p["image"])
-    return [p[len("file://"):] if p.startswith("file://") else p for p in paths]
 
 
 class Actor:
