@@ -731,37 +731,3 @@ fn exact_b_on_random_contexts() {
         }
     }
 }
-
-#[test]
-fn selector_cost_b4_50_events() {
-    let scorer = MarginalScorer::load(&fixture("scorer.safetensors")).unwrap();
-    let ctx = DecisionContext {
-        t: 51,
-        reference_point: Some((400.0, 300.0)),
-        events: (1..51)
-            .map(|s| {
-                ev(
-                    s,
-                    s as u64,
-                    ActionBucket::Click,
-                    Some(((s * 17 % 999) as f64, 250.0)),
-                    s % 7 == 0,
-                )
-            })
-            .collect(),
-    };
-    for (name, mode) in [("reference", Mode::Reference), ("paper", Mode::Paper)] {
-        let a = compose(&ctx, 4, &scorer, mode, None).unwrap();
-        assert_eq!(a.steps.len(), 4);
-        let reps = 30;
-        let start = std::time::Instant::now();
-        for _ in 0..reps {
-            std::hint::black_box(compose(&ctx, 4, &scorer, mode, None).unwrap());
-        }
-        let per = start.elapsed() / reps;
-        println!(
-            "selector {name} mode, B=4, 50 events: {per:?} per decision (k = {})",
-            a.k
-        );
-    }
-}
