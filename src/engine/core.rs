@@ -94,6 +94,22 @@ pub struct RequestOptions {
     pub logprobs: Option<usize>,
 }
 
+impl RequestOptions {
+    /// The defaults, with the adapter acting as `adapter` says (scoring requests).
+    ///
+    /// ```
+    /// use recall::engine::RequestOptions;
+    /// use recall::model::AdapterMode;
+    /// assert_eq!(RequestOptions::with_adapter(AdapterMode::Gated).adapter, AdapterMode::Gated);
+    /// ```
+    pub fn with_adapter(adapter: AdapterMode) -> Self {
+        RequestOptions {
+            adapter,
+            ..RequestOptions::default()
+        }
+    }
+}
+
 /// A finished request.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EngineOutput {
@@ -572,10 +588,7 @@ impl<'m, B: Backend> Engine<'m, B> {
         pairs: &[(Prompt, Vec<u32>)],
         adapter: AdapterMode,
     ) -> Result<Vec<Score>> {
-        let opts = || RequestOptions {
-            adapter,
-            ..RequestOptions::default()
-        };
+        let opts = || RequestOptions::with_adapter(adapter);
         if let Some((prompt, len)) = self.shared_prefix(pairs)? {
             let id = self.add_request_with(&prompt, Task::Warm { len }, opts())?;
             if let Outcome::Failed(e) = self.wait_for(id)?.outcome {

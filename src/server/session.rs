@@ -108,10 +108,7 @@ impl Session for RemoteSession {
     }
 
     fn score_many(&mut self, pairs: &[(Prompt, Vec<u32>)], adapter: AdapterMode) -> Result<Vec<Score>> {
-        let opts = || RequestOptions {
-            adapter,
-            ..RequestOptions::default()
-        };
+        let opts = || RequestOptions::with_adapter(adapter);
         let owned = pairs.to_vec();
         if let Some((prompt, len)) = self.call(move |ctx| ctx.shared_prefix(&owned))?? {
             self.submit(prompt, Task::Warm { len }, opts())?;
