@@ -511,6 +511,9 @@ pub struct Baseline {
     pub pass2_tokens: Vec<u32>,
     /// The ScopeMem pass-2 prompt's output (its embedding prefix first).
     pub scopemem_tokens: Vec<u32>,
+    /// The same with the prefix appended before the assistant turn (the reuse-friendly placement).
+    #[serde(default)]
+    pub scopemem_append_tokens: Vec<u32>,
     /// Decode ms/token of the pass-1 run.
     pub pass1_ms_per_token: f64,
 }
@@ -1750,6 +1753,7 @@ fn bench_backend<B: Backend>(
     let prev_layout = layouts.step_prompt(&(t - 1 - args.budget..t - 1).collect::<Vec<_>>(), t - 1);
     let mut scopemem_layout = vec![LayoutRun::Embeds(SCOPEMEM_ROWS)];
     scopemem_layout.extend(pass1_layout.iter().cloned());
+    let append_layout = appended_prefix(&pass1_layout);
     let (n1, n2, n3) = (
         layout_tokens(&pass1_layout, merge),
         layout_tokens(&pass2_layout, merge),
@@ -1782,7 +1786,8 @@ fn bench_backend<B: Backend>(
     let prompt1 = ctx.prompt(&pass1_layout);
     let prompt2 = ctx.prompt(&pass2_layout);
     let prompt_sm = ctx.prompt(&scopemem_layout);
-    let base = baseline(&ctx, [&prompt1, &prompt2, &prompt_sm])?;
+    let prompt_sm_append = ctx.prompt(&append_layout);
+    let base = baseline(&ctx, [&prompt1, &prompt2, &prompt_sm, &prompt_sm_append])?;
     let steps_before = StepCounts::from(be.step_stats());
 
     // Vision tower on one screenshot.
@@ -1897,10 +1902,24 @@ fn bench_backend<B: Backend>(
         pass2: &base.scopemem_tokens,
         compared_with: "baseline pass 1 + ScopeMem pass 2",
     };
-    for (name, reuse) in [("scopemem", false), ("scopemem + reuse", true)]
-        .into_iter()
-        .filter(|v| !quick_skip(v.0))
+    let sm_append_base = Expected {
+        pass1: &base.pass1_tokens,
+        pass2: &base.scopemem_append_tokens,
+        compared_with: "baseline pass 1 + ScopeMem pass 2 (appended prefix)",
+    };
+    for (name, reuse, append) in [
+        ("scopemem", false, false),
+        ("scopemem + reuse", true, false),
+        ("scopemem append + reuse", true, true),
+    ]
+    .into_iter()
+    .filter(|v| !quick_skip(v.0))
     {
+        let (prompt_sm, expected) = if append {
+            (&prompt_sm_append, &sm_append_base)
+        } else {
+            (&prompt_sm, &sm_base)
+        };
         let runs = (0..reps)
             .map(|_| -> Result<StepRun> {
                 let mut e = ctx.engine(reuse)?;
@@ -1911,7 +1930,7 @@ fn bench_backend<B: Backend>(
                 sync()?;
                 let vision_ms = ms(c);
                 let pass1 = ctx.generate(&mut e, &prompt1, r, Vec::new())?;
-                let pass2 = ctx.generate(&mut e, &prompt_sm, r, Vec::new())?;
+                let pass2 = ctx.generate(&mut e, prompt_sm, r, Vec::new())?;
                 Ok(StepRun {
                     vision_ms,
                     selector_ms: 0.0,
@@ -1920,7 +1939,7 @@ fn bench_backend<B: Backend>(
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        scopemem.push(step_row(name, reuse, Draft::None, &runs, &sm_base));
+        scopemem.push(step_row(name, reuse, Draft::None, &runs, expected));
     }
 
     // Decode: pass 1 of the plain variant.
@@ -2069,22 +2088,46 @@ fn plain_run<B: Backend>(ctx: &Ctx<'_, B>, prompt: &Prompt) -> Result<Gen> {
     ctx.generate(&mut e, prompt, ctx.args.response_tokens, Vec::new())
 }
 
-/// The baseline of the pass-1, pass-2 and ScopeMem prompts (in that order), step replay off
-/// whatever `--step-replay` says (its setting is restored after).
-fn baseline<B: Backend>(ctx: &Ctx<'_, B>, prompts: [&Prompt; 3]) -> Result<Baseline> {
+/// The baseline of the pass-1, pass-2 and ScopeMem prompts (prepended, then appended prefix), step
+/// replay off whatever `--step-replay` says (its setting is restored after).
+fn baseline<B: Backend>(ctx: &Ctx<'_, B>, prompts: [&Prompt; 4]) -> Result<Baseline> {
     ctx.be.set_step_replay(false);
     let runs: Result<Vec<Gen>> = prompts.iter().map(|p| plain_run(ctx, p)).collect();
     ctx.be.set_step_replay(ctx.args.step_replay);
-    let [p1, p2, sm]: [Gen; 3] = runs?
+    let [p1, p2, sm, sm_append]: [Gen; 4] = runs?
         .try_into()
-        .map_err(|_| Error::InvalidRequest("bench baseline: three runs expected".into()))?;
+        .map_err(|_| Error::InvalidRequest("bench baseline: four runs expected".into()))?;
     Ok(Baseline {
         method: BASELINE_METHOD.to_string(),
         pass1_ms_per_token: p1.decode_ms_per_token(),
         pass1_tokens: p1.tokens,
         pass2_tokens: p2.tokens,
         scopemem_tokens: sm.tokens,
+        scopemem_append_tokens: sm_append.tokens,
     })
+}
+
+/// Tokens of the assistant turn's opening (`<|im_start|>assistant\n`) that an appended prefix goes
+/// before.
+const ASSISTANT_TURN_TOKENS: usize = 3;
+
+/// The pass-1 layout with the ScopeMem prefix right before the assistant turn (the last
+/// [`ASSISTANT_TURN_TOKENS`] tokens), as `agent::scopemem::with_prefix` places it with
+/// `Placement::Append`: everything before it is the pass-1 prompt, so its K/V can be reused.
+fn appended_prefix(pass1: &[LayoutRun]) -> Vec<LayoutRun> {
+    let mut out = pass1.to_vec();
+    if let Some(LayoutRun::Text(ids)) = out.last_mut() {
+        let cut = ids.len().saturating_sub(ASSISTANT_TURN_TOKENS);
+        let tail = ids.split_off(cut);
+        if ids.is_empty() {
+            out.pop();
+        }
+        out.push(LayoutRun::Embeds(SCOPEMEM_ROWS));
+        out.push(LayoutRun::Text(tail));
+    } else {
+        out.push(LayoutRun::Embeds(SCOPEMEM_ROWS));
+    }
+    out
 }
 
 /// One prefill row's run on a fresh engine with prefix caching and the `cached` screenshots already
