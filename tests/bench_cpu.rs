@@ -62,7 +62,7 @@ fn check(report: &BenchReport) {
     assert!(d.ms_per_token > 0.0 && d.gb_per_token > 0.0 && d.gbs > 0.0 && d.context > s.pass1_tokens);
     let quick = report.causalcache.len() == 3;
     assert_eq!(report.causalcache.len(), if quick { 3 } else { 5 });
-    assert_eq!(report.scopemem.len(), if quick { 1 } else { 2 });
+    assert_eq!(report.scopemem.len(), if quick { 2 } else { 3 });
     for r in report.causalcache.iter().chain(&report.scopemem) {
         assert!(r.pass1_ms > 0.0 && r.pass2_ms > 0.0 && r.total_ms > 0.0, "{r:?}");
         assert!(
@@ -82,6 +82,11 @@ fn check(report: &BenchReport) {
     // The oracle draft is the baseline's pass 2 output: every draft token is accepted.
     let oracle = row("reuse + oracle draft");
     assert_eq!(oracle.accepted_draft, s.response_tokens);
+    // ScopeMem: a prepended prefix shares nothing with pass 1; appended before the assistant turn,
+    // pass 2 starts from pass 1's cached context.
+    let sm = |name: &str| report.scopemem.iter().find(|r| r.name == name).unwrap();
+    assert_eq!(sm("scopemem + reuse").reused_pass2, 0);
+    assert!(sm("scopemem append + reuse").reused_pass2 > 0);
     // The layout for tools/hf_bench.py: B + 1 screenshots.
     let images = s
         .pass1_layout
