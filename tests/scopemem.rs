@@ -1,7 +1,8 @@
 //! ScopeMem on the tiny Qwen3-VL against HF transformers (tools/gen_scopemem_step_fixtures.py) and
 //! exact invariants: p0 sums to 1 and matches HF's scoring; the actor's logits with the 16 prepended
 //! prefix vectors match HF fed `inputs_embeds`; the drafted second pass is bitwise the plain one, and
-//! when the second opinion equals the first it takes at most 2 decoder forwards.
+//! when the second opinion equals the first it takes at most 2 decoder forwards; a one-pass encoder
+//! serves in one actor pass, with the second opinion exactly the greedy answer on its prefix.
 
 mod common;
 
@@ -9,8 +10,10 @@ use std::path::Path;
 
 use common::{fixture, max_abs_diff, Reference};
 use recall::agent::action::Platform;
+use recall::agent::causalcache::agent_params;
 use recall::agent::scopemem::{
-    action_type_distribution, scopemem_step, with_prefix, Placement, ScopeMemConfig,
+    action_type_distribution, encoder_prefix, scopemem_step, step_context, with_prefix, Placement,
+    ScopeMemConfig,
 };
 use recall::backend::{cpu::CpuBackend, Backend};
 use recall::engine::{EngineConfig, GenerateParams, Outcome, Pipeline, Prompt, RequestOptions, Task};
@@ -112,6 +115,7 @@ fn drafted_second_pass_is_exact_and_short_when_opinions_agree() {
                 placement,
                 max_tokens: 10,
                 draft,
+                ..Default::default()
             };
             scopemem_step(
                 &mut p.session(&mut e),
@@ -130,8 +134,8 @@ fn drafted_second_pass_is_exact_and_short_when_opinions_agree() {
             "{placement:?}: drafting changed the second opinion"
         );
         assert_eq!(drafted.first, plain.first);
-        assert!((drafted.p0.iter().sum::<f32>() - 1.0).abs() < 1e-5);
-        if drafted.second == drafted.first {
+        assert!((drafted.p0.unwrap().iter().sum::<f32>() - 1.0).abs() < 1e-5);
+        if Some(&drafted.second) == drafted.first.as_ref() {
             assert!(drafted.second_pass_forwards <= 2, "{placement:?}: {drafted:?}");
         }
     }
@@ -159,4 +163,65 @@ fn drafted_second_pass_is_exact_and_short_when_opinions_agree() {
     };
     assert_eq!(g.tokens, plain.tokens);
     assert!(e.forwards - before <= 2, "{} forwards", e.forwards - before);
+}
+
+#[test]
+fn a_one_pass_encoder_serves_in_one_pass() {
+    let (p, r) = setup();
+    let encoder = ScopeMemEncoder::load(&fixture("scopemem/variants/task-only")).unwrap();
+    let (task, history) = (
+        "Send the forecast to Alice.",
+        vec!["Open the Messages app.".to_string()],
+    );
+    // The expected answer: greedy (the agent's stopping rules) on the prompt with the prefix of the
+    // task alone.
+    let mut e = p.engine(EngineConfig::default()).unwrap();
+    let base = prompt(&p, &r, &mut e);
+    let params = agent_params(&p.session(&mut e), 10);
+    let want = {
+        let mut s = p.session(&mut e);
+        let ctx = step_context(&mut s, &base, task, &history, Platform::Mobile, 10, 32, false).unwrap();
+        assert!(ctx.first.is_none() && ctx.p0.is_none() && ctx.ids.first_opinion.is_empty());
+        let prefix = encoder_prefix(&mut s, &encoder, &ctx).unwrap();
+        with_prefix(&s, &base, prefix, Placement::Prepend).unwrap()
+    };
+    let want = e.generate(&want, &params).unwrap();
+    let plain = e.generate(&base, &params).unwrap();
+
+    for baseline in [false, true] {
+        let mut e = p.engine(EngineConfig::default()).unwrap();
+        let base = prompt(&p, &r, &mut e);
+        let before = e.forwards;
+        let cfg = ScopeMemConfig {
+            max_tokens: 10,
+            baseline,
+            ..Default::default()
+        };
+        let o = scopemem_step(
+            &mut p.session(&mut e),
+            &encoder,
+            &base,
+            task,
+            &history,
+            Platform::Mobile,
+            &cfg,
+        )
+        .unwrap();
+        assert_eq!(
+            o.second,
+            want.text.clone().unwrap_or_default(),
+            "baseline {baseline}"
+        );
+        if baseline {
+            assert_eq!(o.first, plain.text.clone());
+            assert!((o.p0.unwrap().iter().sum::<f32>() - 1.0).abs() < 1e-5);
+        } else {
+            assert!(o.first.is_none() && o.p0.is_none() && o.h0.is_none());
+            assert_eq!(
+                e.forwards - before,
+                o.second_pass_forwards,
+                "without a baseline the prefixed pass is the only one"
+            );
+        }
+    }
 }

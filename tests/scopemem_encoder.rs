@@ -1,15 +1,16 @@
 //! The ScopeMem encoder against its PyTorch reference (tools/scopemem_encoder.py, fixtures from
 //! tools/gen_scopemem_fixtures.py): every case within 1e-5 of the float32 forward (and of the float64
 //! one), with the field embeddings gathered here from the tiny actor's `embed_tokens`; the parameter
-//! count; and clear errors for bad checkpoints, configs and inputs.
+//! count; the study's other encoders (one-pass, task-only, history-only, fixed-query) against their
+//! own PyTorch outputs; and clear errors for bad checkpoints, configs and inputs.
 
 use std::fs;
 use std::path::{Path, PathBuf};
 
 use recall::model::loader::Checkpoint;
 use recall::model::scopemem::{
-    action_type_entropy, p0_from_slice, EncoderInputs, ScopeMemConfig, ScopeMemEncoder, CONFIG_FILE, FIELDS,
-    NUM_ACTION_TYPES, WEIGHTS_FILE,
+    action_type_entropy, p0_from_slice, EncoderInputs, ScopeMemConfig, ScopeMemEncoder, Variant, CONFIG_FILE,
+    FIELDS, NUM_ACTION_TYPES, WEIGHTS_FILE,
 };
 use recall::Error;
 use serde_json::Value;
@@ -191,6 +192,135 @@ fn parameter_count() {
     assert_eq!(in_file, tiny.num_parameters());
 }
 
+#[test]
+fn every_variant_matches_pytorch_and_reads_only_its_inputs() {
+    let doc = cases_doc();
+    let cases = Checkpoint::open_file(&fixtures().join("scopemem/cases.safetensors")).unwrap();
+    let outs = Checkpoint::open_file(&fixtures().join("scopemem/variants.safetensors")).unwrap();
+    let meta: Value =
+        serde_json::from_str(&fs::read_to_string(fixtures().join("scopemem/variants.json")).unwrap())
+            .unwrap();
+    let actor = Checkpoint::open_file(&fixtures().join("tiny-qwen3-vl/model.safetensors")).unwrap();
+    let table = actor
+        .get("model.language_model.embed_tokens.weight")
+        .unwrap()
+        .to_f32();
+    for variant in Variant::ALL.into_iter().filter(|v| *v != Variant::Full) {
+        let dir = fixtures().join("scopemem/variants").join(variant.name());
+        let enc = ScopeMemEncoder::load(&dir).unwrap();
+        let cfg = enc.config();
+        assert_eq!(cfg.variant(), Some(variant));
+        assert!(!cfg.needs_first_opinion(), "{variant:?} is one-pass");
+        assert_eq!(
+            cfg.num_parameters() as u64,
+            meta["variants"][variant.name()]["num_parameters"]
+                .as_u64()
+                .unwrap()
+        );
+        let ckpt = Checkpoint::open_file(&dir.join(WEIGHTS_FILE)).unwrap();
+        let in_file: usize = ckpt.names().iter().map(|n| ckpt.get(n).unwrap().numel()).sum();
+        assert_eq!(in_file, cfg.num_parameters());
+        for (i, case) in doc["cases"].as_array().unwrap().iter().enumerate() {
+            let inputs = inputs_of(case, &cases, i, &table, cfg.hidden_size);
+            let out = enc.forward(&inputs).unwrap();
+            let want = outs
+                .get(&format!("{}.case{i}.out_f32", variant.name()))
+                .unwrap()
+                .to_f32();
+            let d = max_abs_diff(&out, &want);
+            println!("{} {}: vs torch f32 {d:.2e}", variant.name(), case["name"]);
+            assert!(d <= TOL, "{variant:?} case {i}: max abs diff {d}");
+            // What it does not read does not matter: not a0, not p0 (not even an invalid one).
+            let mut other = inputs.clone();
+            other.first_opinion = vec![9.0; 3 * cfg.hidden_size];
+            other.p0 = [0.0; NUM_ACTION_TYPES];
+            for (f, data) in [
+                (1, &mut other.task),
+                (2, &mut other.summary),
+                (3, &mut other.recent_actions),
+            ] {
+                if !cfg.fields.contains(&f) {
+                    *data = vec![-4.0; 2 * cfg.hidden_size];
+                }
+            }
+            assert_eq!(
+                enc.forward(&other).unwrap(),
+                out,
+                "{variant:?} read an input it does not list"
+            );
+        }
+    }
+}
+
+#[test]
+fn variant_configs_are_checked() {
+    let variant_dir = |v: &str| fixtures().join("scopemem/variants").join(v);
+    let load_config = |dir: &Path, edit: &dyn Fn(&mut serde_json::Map<String, Value>)| {
+        let mut cfg: Value =
+            serde_json::from_str(&fs::read_to_string(dir.join(CONFIG_FILE)).unwrap()).unwrap();
+        edit(cfg.as_object_mut().unwrap());
+        ScopeMemConfig::from_json(&dir.join(CONFIG_FILE), &cfg)
+    };
+    let field_of = |r: recall::Result<ScopeMemConfig>| match r {
+        Err(Error::Json { field, .. }) => field,
+        other => panic!("expected a JSON error, got {other:?}"),
+    };
+    let full = encoder_dir();
+    // The named variant must be what the inputs make.
+    assert_eq!(
+        field_of(load_config(&full, &|c| {
+            c.insert("variant".into(), "task-only".into());
+        })),
+        "variant"
+    );
+    assert_eq!(
+        field_of(load_config(&variant_dir("task-only"), &|c| {
+            c.insert("confidence".into(), true.into());
+        })),
+        "variant"
+    );
+    // Fields: known names, each once, in FIELDS order.
+    for bad in [
+        serde_json::json!(["task", "first_opinion"]),
+        serde_json::json!(["task", "task"]),
+        serde_json::json!(["screenshot"]),
+        serde_json::json!("task"),
+    ] {
+        assert_eq!(
+            field_of(load_config(&full, &|c| {
+                c.insert("fields".into(), bad.clone());
+            })),
+            "fields"
+        );
+    }
+    assert_eq!(
+        field_of(load_config(&full, &|c| {
+            c.insert("confidence".into(), "yes".into());
+        })),
+        "confidence"
+    );
+    // Nothing to self-attend to.
+    assert_eq!(
+        field_of(load_config(&variant_dir("fixed-query"), &|c| {
+            c.insert("num_self_layers".into(), 1.into());
+        })),
+        "num_self_layers"
+    );
+    // A config that says task-only over the full encoder's tensors: the tensors do not fit.
+    let dir = edited(
+        |c| {
+            c.insert("fields".into(), serde_json::json!(["task"]));
+            c.insert("confidence".into(), false.into());
+        },
+        |_| {},
+    );
+    let msg = load_err(dir.path()).to_string();
+    assert!(
+        msg.contains("segment_embed.weight") || msg.contains("conf_mlp"),
+        "{msg}"
+    );
+}
+
 // ---- bad checkpoints and configs ----
 
 /// A copy of the fixture encoder whose config and tensors went through `edit_config` and
@@ -322,7 +452,7 @@ fn malformed_config_names_the_field() {
         ("num_action_types", Some(9.into())),
         ("layer_norm_eps", Some((-1.0).into())),
         ("model_type", Some("qwen3_vl".into())),
-        ("fields", Some(serde_json::json!(["task"]))),
+        ("fields", Some(serde_json::json!(["recent_actions", "task"]))),
         ("format_version", Some(2.into())),
     ];
     for (field, value) in cases {

@@ -12,6 +12,12 @@ Writes
   per case `case{i}.{field}` (non-empty fields only), `case{i}.p0`, `case{i}.out_f32` (the float32 forward)
   and `case{i}.out_f64` (the float64 forward on the same float32 weights and inputs, rounded to float32).
 
+* tests/fixtures/scopemem/variants/{one-pass,task-only,history-only,fixed-query}/: the study's other
+  encoders (1 self + 1 cross block, otherwise TINY's shape; fixed-query has no self block), seeded
+  apart from the main encoder, and variants.safetensors + variants.json: per variant and case of
+  cases.json, `{variant}.case{i}.out_f32` (the float32 forward on the same inputs; a variant reads only
+  its own fields, so e.g. history-only on `first_step_one_hot` attends to nothing).
+
     .venv-tools/bin/python tools/gen_scopemem_fixtures.py
 """
 
@@ -23,7 +29,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from scopemem_encoder import FIELDS, ScopeMemConfig, ScopeMemEncoder, action_type_entropy  # noqa: E402
+import dataclasses  # noqa: E402
+
+from scopemem_encoder import FIELDS, VARIANTS, ScopeMemConfig, ScopeMemEncoder, action_type_entropy  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIX = os.path.join(ROOT, "tests", "fixtures")
@@ -133,6 +141,40 @@ def main():
         json.dump(doc, f, indent=1)
         f.write("\n")
     print(f"{n_params} parameters; wrote {OUT}")
+    variants(table, doc["cases"])
+
+
+def variants(table, cases):
+    """The one-pass and control encoders, with their outputs on the cases' inputs."""
+    g = torch.Generator().manual_seed(SEED + 1)
+    small = dataclasses.replace(TINY, num_self_layers=1, num_cross_layers=1)
+    tensors, meta = {}, {}
+    for name in VARIANTS:
+        if name == "full":
+            continue
+        cfg = small.with_variant(name)
+        enc = ScopeMemEncoder(cfg)
+        init_weights(enc, g)
+        enc.eval()
+        path = os.path.join(OUT, "variants", name)
+        enc.save(path)
+        enc = ScopeMemEncoder.load(path)
+        assert sum(p.numel() for p in enc.parameters()) == cfg.num_parameters()
+        outs = []
+        for i, case in enumerate(cases):
+            fields = {f: table[torch.tensor(case["ids"][f], dtype=torch.long)] if case["ids"][f] else table[:0]
+                      for f in FIELDS}
+            with torch.no_grad():
+                out = enc(fields, torch.tensor(case["p0"], dtype=torch.float32))
+            tensors[f"{name}.case{i}.out_f32"] = out.contiguous()
+            outs.append(float(out.abs().max()))
+        meta[name] = {"num_parameters": cfg.num_parameters(), "max_abs_out": outs}
+        print(f"variant {name}: {cfg.num_parameters()} parameters, max|out| per case {[round(x, 2) for x in outs]}")
+    save_file(tensors, os.path.join(OUT, "variants.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(OUT, "variants.json"), "w") as f:
+        json.dump({"generator": "tools/gen_scopemem_fixtures.py", "seed": SEED + 1, "torch": torch.__version__,
+                   "cases": "cases.json", "variants": meta}, f, indent=1)
+        f.write("\n")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,15 @@ from safetensors.torch import load_file, save_file
 
 # The text fields in context order; the index is the field's segment id.
 FIELDS = ("first_opinion", "task", "summary", "recent_actions")
+# The encoders of the paper's study by what they read: (fields, confidence token). Only `full` reads the
+# first opinion; the others are one-pass (their prefix exists before the actor answers).
+VARIANTS = {
+    "full": (FIELDS, True),
+    "one-pass": (("task", "summary", "recent_actions"), False),   # the paper's "history encoder"
+    "task-only": (("task",), False),
+    "history-only": (("summary", "recent_actions"), False),
+    "fixed-query": ((), False),                                   # the fixed-query prefix
+}
 CONFIG_FILE = "scopemem_config.json"
 WEIGHTS_FILE = "scopemem.safetensors"
 FORMAT_VERSION = 1
@@ -54,11 +63,42 @@ class ScopeMemConfig:
     num_action_types: int = 10    # length of p0
     max_positions: int = 256      # learned positions per field (a field may hold at most this many tokens)
     layer_norm_eps: float = 1e-5
+    fields: tuple = FIELDS        # the text fields it reads, a sub-sequence of FIELDS (segment ids in this order)
+    confidence: bool = True       # whether the confidence token from (p0, H0) leads the context
+
+    def __post_init__(self):
+        self.fields = tuple(self.fields)
+        order = [FIELDS.index(f) for f in self.fields if f in FIELDS]
+        if len(order) != len(self.fields) or order != sorted(set(order)):
+            raise ValueError(f"fields: {list(self.fields)} must be a sub-sequence of {list(FIELDS)}")
+        if not self.has_context() and self.num_self_layers:
+            raise ValueError("num_self_layers: an encoder that reads nothing (fixed-query) must have 0")
+
+    def has_context(self):
+        return self.confidence or bool(self.fields)
+
+    def needs_first_opinion(self):
+        """Whether the prefix depends on the actor's first pass (a0, or p0 and H0)."""
+        return self.confidence or "first_opinion" in self.fields
+
+    def variant(self):
+        for name, (fields, conf) in VARIANTS.items():
+            if tuple(fields) == self.fields and conf == self.confidence:
+                return name
+        return None
+
+    def with_variant(self, name):
+        """This shape reading the inputs of the study variant `name` (see VARIANTS)."""
+        fields, conf = VARIANTS[name]
+        layers = 0 if name == "fixed-query" else self.num_self_layers
+        return dataclasses.replace(self, fields=tuple(fields), confidence=conf, num_self_layers=layers)
 
     def to_json(self):
         d = {"model_type": "scopemem_encoder", "format_version": FORMAT_VERSION}
         d.update(dataclasses.asdict(self))
-        d["fields"] = list(FIELDS)
+        d["fields"] = list(self.fields)
+        if self.variant():
+            d["variant"] = self.variant()
         return d
 
     @classmethod
@@ -72,9 +112,9 @@ class ScopeMemConfig:
         """The parameter count, by the formula in docs/SCOPEMEM.md."""
         H, d, f, c = self.hidden_size, self.d_model, self.ffn_size, self.conf_hidden
         block = 2 * 2 * d + 4 * (d * d + d) + (d * f + f) + (f * d + d)
-        return ((H * d + d) + len(FIELDS) * d + self.max_positions * d
-                + ((self.num_action_types + 1) * c + c + c * d + d)
-                + self.num_self_layers * block + 2 * d
+        fields = (H * d + d) + len(self.fields) * d + self.max_positions * d if self.fields else 0
+        conf = (self.num_action_types + 1) * c + c + c * d + d if self.confidence else 0
+        return (fields + conf + self.num_self_layers * block + (2 * d if self.has_context() else 0)
                 + self.num_queries * d + self.num_cross_layers * block + 2 * d
                 + (d * H + H))
 
@@ -91,6 +131,8 @@ class Attention(nn.Module):
     def forward(self, x, ctx):
         """`x: [m, d]` attends to `ctx: [n, d]` (ctx is x for self-attention). No mask."""
         m, n, h = x.shape[0], ctx.shape[0], self.heads
+        if n == 0:  # nothing to attend to: the attention output is the empty sum, zero
+            return self.o_proj(torch.zeros_like(x))
         q = self.q_proj(x).view(m, h, -1).transpose(0, 1)          # [h, m, hd]
         k = self.k_proj(ctx).view(n, h, -1).transpose(0, 1)        # [h, n, hd]
         v = self.v_proj(ctx).view(n, h, -1).transpose(0, 1)
@@ -139,28 +181,34 @@ class ScopeMemEncoder(nn.Module):
             raise ValueError("num_heads must divide d_model")
         self.cfg = cfg
         d = cfg.d_model
-        self.in_proj = nn.Linear(cfg.hidden_size, d)
-        self.segment_embed = nn.Embedding(len(FIELDS), d)
-        self.pos_embed = nn.Embedding(cfg.max_positions, d)
-        self.conf_mlp = Mlp(cfg.num_action_types + 1, cfg.conf_hidden, d)
+        if cfg.fields:
+            self.in_proj = nn.Linear(cfg.hidden_size, d)
+            self.segment_embed = nn.Embedding(len(cfg.fields), d)
+            self.pos_embed = nn.Embedding(cfg.max_positions, d)
+        if cfg.confidence:
+            self.conf_mlp = Mlp(cfg.num_action_types + 1, cfg.conf_hidden, d)
         self.self_layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_self_layers))
-        self.context_norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
+        if cfg.has_context():
+            self.context_norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
         self.queries = nn.Parameter(torch.randn(cfg.num_queries, d) * 0.02)
         self.cross_layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_cross_layers))
         self.out_norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
         self.out_proj = nn.Linear(d, cfg.hidden_size)
 
     def context(self, fields, p0):
-        """The context tokens `[1 + sum n_i, d]` before the self-attention blocks."""
+        """The context tokens `[(1 if confidence) + sum n_i, d]` before the self-attention blocks (only the
+        fields the config reads; `p0` is ignored, and may be None, without the confidence token)."""
         unknown = set(fields) - set(FIELDS)
         if unknown:
             raise ValueError(f"unknown fields {sorted(unknown)} (expected {FIELDS})")
-        p0 = p0.to(self.queries.dtype)
-        if p0.shape != (self.cfg.num_action_types,):
-            raise ValueError(f"p0 must have shape ({self.cfg.num_action_types},), got {tuple(p0.shape)}")
-        conf = torch.cat([p0, action_type_entropy(p0).reshape(1)])
-        parts = [self.conf_mlp(conf).unsqueeze(0)]
-        for s, name in enumerate(FIELDS):
+        parts = [self.queries.new_zeros(0, self.cfg.d_model)]
+        if self.cfg.confidence:
+            p0 = p0.to(self.queries.dtype)
+            if p0.shape != (self.cfg.num_action_types,):
+                raise ValueError(f"p0 must have shape ({self.cfg.num_action_types},), got {tuple(p0.shape)}")
+            conf = torch.cat([p0, action_type_entropy(p0).reshape(1)])
+            parts.append(self.conf_mlp(conf).unsqueeze(0))
+        for s, name in enumerate(self.cfg.fields):
             e = fields.get(name)
             if e is None or e.shape[0] == 0:
                 continue  # empty fields contribute no tokens
@@ -178,7 +226,7 @@ class ScopeMemEncoder(nn.Module):
         h = self.context(fields, p0)
         for layer in self.self_layers:
             h = layer(h)
-        ctx = self.context_norm(h)
+        ctx = self.context_norm(h) if self.cfg.has_context() else h
         q = self.queries
         for layer in self.cross_layers:
             q = layer(q, ctx)

@@ -30,6 +30,9 @@ Objective (docs/EVAL.md "Training objective"), only the encoder trains (the acto
     .venv-tools/bin/python tools/scopemem_train.py --dump train.jsonl --actor ACTOR --epochs 2 --out out/sm
     recall scopemem run --model ACTOR --dataset test.jsonl --encoder out/sm/encoder [--placement append]
 
+`--variant` picks what a new encoder reads (full, one-pass, task-only, history-only, fixed-query; the paper's
+controls, docs/SCOPEMEM.md "Variants"); the objective is the same for all, and a0 always comes from the dump.
+
 The encoder is exported in recall's format (scopemem_config.json + scopemem.safetensors) to OUT/encoder;
 OUT/scopemem_train_report.json holds the arguments, per-step losses and the objective on the training
 set before and after training (the "loss first -> last" of the final report).
@@ -51,7 +54,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from scopemem_encoder import FIELDS, ScopeMemConfig, ScopeMemEncoder  # noqa: E402
+from scopemem_encoder import FIELDS, VARIANTS, ScopeMemConfig, ScopeMemEncoder  # noqa: E402
 from vl_inputs import image_paths  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -428,6 +431,9 @@ def make_encoder(args, hidden: int, max_positions: int) -> tuple:
             raise DumpError(f"--init {args.init}: hidden {enc.cfg.hidden_size} / max_positions "
                             f"{enc.cfg.max_positions}, but the actor has hidden {hidden} and the dump "
                             f"max_positions {max_positions}")
+        if args.variant and enc.cfg.variant() != args.variant:
+            raise DumpError(f"--init {args.init} is a {enc.cfg.variant() or 'custom'} encoder, not --variant "
+                            f"{args.variant}")
         return enc.train(), "init"
     size = args.encoder_size if args.encoder_size != "auto" else ("tiny" if hidden <= 256 else "paper")
     if size == "tiny":
@@ -435,7 +441,7 @@ def make_encoder(args, hidden: int, max_positions: int) -> tuple:
                              max_positions=max_positions)
     else:
         cfg = ScopeMemConfig(hidden_size=hidden, max_positions=max_positions)
-    return ScopeMemEncoder(cfg), size
+    return ScopeMemEncoder(cfg.with_variant(args.variant or "full")), size
 
 
 def parse_args(argv=None):
@@ -460,6 +466,10 @@ def parse_args(argv=None):
                    help="the actor's dtype (default: float32 on CPU, bfloat16 on CUDA); the encoder is f32")
     p.add_argument("--encoder-size", choices=["auto", "paper", "tiny"], default="auto",
                    help="paper: d 384, 6 heads, ffn 1536; tiny: d 32, 2 heads, ffn 64; auto: tiny for hidden <= 256")
+    p.add_argument("--variant", choices=list(VARIANTS),
+                   help="what the encoder reads (docs/SCOPEMEM.md \"Variants\"): full (default: a0, task, summary, "
+                        "recent actions, p0/H0), one-pass (task, summary, recent actions), task-only, history-only "
+                        "(summary, recent actions), fixed-query (nothing)")
     p.add_argument("--init", help="start from this encoder directory instead of a fresh one")
     p.add_argument("--chat-template", help="chat template file (default: the actor's, else models/...)")
     p.add_argument("--image-root", help="directory relative image paths of the dump are resolved against first")
@@ -481,9 +491,10 @@ def train(args) -> dict:
     enc = enc.to(args.device)
     data = [prepare(actor, r) for r in recs]
     n_params = sum(q.numel() for q in enc.parameters())
+    variant = enc.cfg.variant() or "custom"
     print(f"{len(data)} dump lines ({placement}, max_positions {max_positions}), "
-          f"{sum(s['correct'] for s in data)} with a right first opinion; encoder {n_params:,} parameters "
-          f"({size}); prepared in {time.time() - t0:.1f} s", file=sys.stderr)
+          f"{sum(s['correct'] for s in data)} with a right first opinion; {variant} encoder {n_params:,} "
+          f"parameters ({size}); prepared in {time.time() - t0:.1f} s", file=sys.stderr)
 
     final_preserve = args.epochs >= 2 and args.preservation != "none"
     before = None if args.no_eval else evaluate(actor, enc, data, final_preserve, args.preservation)
@@ -529,7 +540,8 @@ def train(args) -> dict:
         same = torch.equal(check(fields, data[0]["p0"]), enc(fields, data[0]["p0"]))
     if not same:
         raise RuntimeError("the exported encoder differs from the trained one")
-    report = {"args": {k: v for k, v in vars(args).items()}, "encoder_size": size, "parameters": n_params,
+    report = {"args": {k: v for k, v in vars(args).items()}, "variant": variant, "fields": list(enc.cfg.fields),
+              "confidence": enc.cfg.confidence, "encoder_size": size, "parameters": n_params,
               "lines": len(data), "placement": placement, "max_positions": max_positions,
               "a0_right": sum(s["correct"] for s in data), "before": before, "after": after,
               "steps": log, "encoder_dir": enc_dir, "seconds": time.time() - t0}

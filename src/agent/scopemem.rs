@@ -21,7 +21,7 @@ use crate::agent::dataset::EvalStep;
 use crate::engine::{Generation, Prompt, RequestOptions, Segment, Session};
 use crate::error::{Error, Result};
 use crate::memory::episode::StepRecord;
-use crate::memory::protocol::{render, Protocol};
+use crate::memory::protocol::{render, render_paper, ContextLayout, Protocol};
 use crate::model::scopemem::{action_type_entropy, EncoderInputs, ScopeMemEncoder, NUM_ACTION_TYPES};
 use crate::model::AdapterMode;
 
@@ -72,6 +72,11 @@ pub struct ScopeMemConfig {
     pub max_tokens: usize,
     /// Draft the second pass from the first opinion's tokens.
     pub draft: bool,
+    /// Run the plain actor's pass (a0, p0, H0) even when the encoder does not read it (a one-pass
+    /// variant), so that keeps, repairs and harms can be counted; serving leaves it off.
+    pub baseline: bool,
+    /// How a dataset step's context is laid out for the actor (`run_dataset`, `dump_step`).
+    pub layout: ContextLayout,
 }
 
 impl Default for ScopeMemConfig {
@@ -80,17 +85,21 @@ impl Default for ScopeMemConfig {
             placement: Placement::Prepend,
             max_tokens: 256,
             draft: true,
+            baseline: false,
+            layout: ContextLayout::GuiOwl,
         }
     }
 }
 
-/// Both opinions of one step.
+/// Both opinions of one step. A one-pass encoder without `baseline` runs no plain pass: `first`,
+/// `p0` and `h0` are then `None`.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Opinions {
-    pub first: String,
+    pub first: Option<String>,
     /// The actor's probabilities over [`MOBILE_ACTION_TYPES`] at the decision position.
-    pub p0: [f32; NUM_ACTION_TYPES],
-    pub h0: f32,
+    pub p0: Option<[f32; NUM_ACTION_TYPES]>,
+    pub h0: Option<f32>,
+    /// The answer with the prefix.
     pub second: String,
     /// Decoder forwards the second pass took.
     pub second_pass_forwards: u64,
@@ -260,19 +269,21 @@ impl EncoderFields {
 
 /// Everything the encoder reads at a step, as serving computes it: a0 (text and tokens), p0 and
 /// H0 at a0's decision position, and the encoder's fields (text and the ids it embeds).
-/// `recall scopemem dump` writes exactly this per step for the trainer.
+/// `recall scopemem dump` writes exactly this per step for the trainer. Without the plain pass (a
+/// one-pass encoder when serving) the first four are `None` and the `first_opinion` field is empty.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct StepContext {
-    pub first: String,
-    pub first_tokens: Vec<u32>,
-    pub p0: [f32; NUM_ACTION_TYPES],
-    pub h0: f32,
+    pub first: Option<String>,
+    pub first_tokens: Option<Vec<u32>>,
+    pub p0: Option<[f32; NUM_ACTION_TYPES]>,
+    pub h0: Option<f32>,
     pub fields: EncoderFields,
     pub ids: EncoderIds,
 }
 
-/// The first pass and the encoder's inputs at a step (the one builder serving and `scopemem dump`
-/// share). `max_positions`: the encoder's.
+/// The first pass (when `first_pass`) and the encoder's inputs at a step (the one builder serving
+/// and `scopemem dump` share). `max_positions`: the encoder's.
+#[allow(clippy::too_many_arguments)]
 pub fn step_context(
     s: &mut dyn Session,
     prompt: &Prompt,
@@ -281,38 +292,65 @@ pub fn step_context(
     platform: Platform,
     max_tokens: usize,
     max_positions: usize,
+    first_pass: bool,
 ) -> Result<StepContext> {
-    let (first, _, _) = generate(s, prompt, max_tokens, Vec::new())?;
-    let first_text = first.text.clone().unwrap_or_default();
-    let p0 = action_type_distribution(s, prompt, &first_text, platform)?;
-    let fields = EncoderFields::build(&first_text, task, history, platform);
+    let first = if first_pass {
+        let (g, _, _) = generate(s, prompt, max_tokens, Vec::new())?;
+        let text = g.text.clone().unwrap_or_default();
+        let p0 = action_type_distribution(s, prompt, &text, platform)?;
+        Some((text, g.tokens, p0))
+    } else {
+        None
+    };
+    let first_text = first.as_ref().map_or("", |f| f.0.as_str());
+    let fields = EncoderFields::build(first_text, task, history, platform);
     let ids = fields.ids(s.tokenizer(), max_positions)?;
+    let p0 = first.as_ref().map(|f| f.2);
     Ok(StepContext {
-        first: first_text,
-        first_tokens: first.tokens,
+        first: first.as_ref().map(|f| f.0.clone()),
+        first_tokens: first.map(|f| f.1),
         p0,
-        h0: action_type_entropy(&p0),
+        h0: p0.map(|p| action_type_entropy(&p)),
         fields,
         ids,
     })
 }
 
-/// The encoder's prefix vectors `[K · hidden]` for a step's context: the fields' ids as the actor's
-/// frozen token embeddings, with p0.
+/// The encoder's prefix vectors `[K · hidden]` for a step's context: the fields it reads, as the
+/// actor's frozen token embeddings, with p0 when it reads the confidence.
 pub fn encoder_prefix(s: &mut dyn Session, encoder: &ScopeMemEncoder, ctx: &StepContext) -> Result<Vec<f32>> {
+    let reads = &encoder.config().fields;
+    let mut embed = |field: usize, ids: &[u32]| -> Result<Vec<f32>> {
+        if reads.contains(&field) {
+            s.embed_tokens(ids)
+        } else {
+            Ok(Vec::new())
+        }
+    };
+    let p0 = match (encoder.config().confidence, ctx.p0) {
+        (true, None) => {
+            return Err(Error::InvalidRequest(format!(
+                "the encoder {} reads p0, but the actor's first pass did not run",
+                encoder.source().display()
+            )))
+        }
+        (_, p0) => p0.unwrap_or([0.0; NUM_ACTION_TYPES]), // unread without the confidence token
+    };
     let inputs = EncoderInputs {
-        first_opinion: s.embed_tokens(&ctx.ids.first_opinion)?,
-        task: s.embed_tokens(&ctx.ids.task)?,
-        summary: s.embed_tokens(&ctx.ids.summary)?,
-        recent_actions: s.embed_tokens(&ctx.ids.recent_actions)?,
-        p0: ctx.p0,
+        first_opinion: embed(0, &ctx.ids.first_opinion)?,
+        task: embed(1, &ctx.ids.task)?,
+        summary: embed(2, &ctx.ids.summary)?,
+        recent_actions: embed(3, &ctx.ids.recent_actions)?,
+        p0,
     };
     encoder.forward(&inputs)
 }
 
 /// Runs the ScopeMem step on `prompt` (the actor's prompt with its generation prompt).
 ///
-/// `task` is the instruction, `history` the completed steps' action lines (oldest first).
+/// `task` is the instruction, `history` the completed steps' action lines (oldest first). The
+/// plain pass runs when the encoder reads its answer (the full variant) or `cfg.baseline` asks for
+/// it; a one-pass variant otherwise costs one actor pass.
 #[allow(clippy::too_many_arguments)]
 pub fn scopemem_step(
     s: &mut dyn Session,
@@ -331,13 +369,13 @@ pub fn scopemem_step(
         platform,
         cfg.max_tokens,
         encoder.config().max_positions,
+        cfg.baseline || encoder.config().needs_first_opinion(),
     )?;
     let prefix = encoder_prefix(s, encoder, &ctx)?;
     let second_prompt = with_prefix(s, prompt, prefix, cfg.placement)?;
-    let draft = if cfg.draft {
-        ctx.first_tokens.clone()
-    } else {
-        Vec::new()
+    let draft = match (&ctx.first_tokens, cfg.draft) {
+        (Some(t), true) => t.clone(),
+        _ => Vec::new(),
     };
     let (second, forwards, accepted) = generate(s, &second_prompt, cfg.max_tokens, draft)?;
     Ok(Opinions {
@@ -389,16 +427,23 @@ pub fn with_prefix(
     Ok(Prompt { segments })
 }
 
-/// The actor's prompt for a dataset step: the GUI-Owl protocol with the step's history folded, its
-/// earlier screenshots shown for the most recent steps, and the current screenshot last.
-pub fn dataset_prompt(s: &mut dyn Session, step: &EvalStep, platform: Platform) -> Result<Prompt> {
-    s.chat_prompt(&dataset_messages(step, platform)?)
+/// The actor's prompt for a dataset step. `GuiOwl`: the GUI-Owl protocol with the step's history
+/// folded, its earlier screenshots shown for the most recent steps, and the current screenshot last;
+/// `Paper`: [`render_paper`] (the task, the last three steps' summary, the latest three screenshots).
+pub fn dataset_prompt(
+    s: &mut dyn Session,
+    step: &EvalStep,
+    platform: Platform,
+    layout: ContextLayout,
+) -> Result<Prompt> {
+    s.chat_prompt(&dataset_messages(step, platform, layout)?)
 }
 
 /// The chat messages of [`dataset_prompt`] (images as paths).
 pub fn dataset_messages(
     step: &EvalStep,
     platform: Platform,
+    layout: ContextLayout,
 ) -> Result<Vec<crate::tokenize::chat::ChatMessage>> {
     let (current, earlier) = step
         .screenshots
@@ -423,14 +468,12 @@ pub fn dataset_messages(
             r
         })
         .collect();
-    let allocation: Vec<usize> = (first_shown + 1..=step.history.len()).collect();
-    render(
-        Protocol::for_platform(platform),
-        &step.instruction,
-        &completed,
-        &allocation,
-        current,
-    )
+    let shown: Vec<usize> = (first_shown + 1..=step.history.len()).collect();
+    let protocol = Protocol::for_platform(platform);
+    match layout {
+        ContextLayout::GuiOwl => render(protocol, &step.instruction, &completed, &shown, current),
+        ContextLayout::Paper => render_paper(protocol, &step.instruction, &completed, &shown, current),
+    }
 }
 
 /// One evaluated dataset step: what the metrics need, and the ScopeMem details when it ran.
@@ -442,7 +485,8 @@ pub struct DatasetResult {
 
 /// Runs the actor (and, with an encoder, ScopeMem's second opinion) on every step of `dataset` —
 /// or only on the steps whose 1-based file line is in `lines` — with progress shown. Without an
-/// encoder the second opinion is the first.
+/// encoder the second opinion is the first. The plain pass always runs (it is the baseline of keeps,
+/// repairs and harms), whatever `cfg.baseline` says.
 pub fn run_dataset(
     s: &mut dyn Session,
     encoder: Option<&ScopeMemEncoder>,
@@ -465,9 +509,13 @@ pub fn run_dataset(
         indicatif::ProgressStyle::with_template("evaluating {bar:30} {pos}/{len} steps")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
+    let cfg = &ScopeMemConfig {
+        baseline: true,
+        ..cfg.clone()
+    };
     let mut out = Vec::with_capacity(steps.len());
     for step in steps {
-        let prompt = dataset_prompt(s, step, dataset.platform)?;
+        let prompt = dataset_prompt(s, step, dataset.platform, cfg.layout)?;
         let (first, second, opinions) = match encoder {
             Some(enc) => {
                 let o = scopemem_step(
@@ -479,7 +527,7 @@ pub fn run_dataset(
                     dataset.platform,
                     cfg,
                 )?;
-                (o.first.clone(), o.second.clone(), Some(o))
+                (o.first.clone().unwrap_or_default(), o.second.clone(), Some(o))
             }
             None => {
                 let (g, _, _) = generate(s, &prompt, cfg.max_tokens, Vec::new())?;
@@ -521,6 +569,8 @@ pub struct DumpRecord {
     pub messages: serde_json::Value,
     /// Where the prefix goes in the second pass this data is for.
     pub placement: Placement,
+    /// How `messages` lays out the step's context.
+    pub layout: ContextLayout,
     /// The action types of p0, in order.
     pub action_types: [&'static str; NUM_ACTION_TYPES],
     pub max_positions: usize,
@@ -532,17 +582,18 @@ pub struct DumpRecord {
     pub prefix: Option<Vec<f32>>,
 }
 
-/// The dump line of one dataset step ([`step_context`] on [`dataset_prompt`]).
+/// The dump line of one dataset step ([`step_context`] on [`dataset_prompt`], with the plain
+/// pass: the trainer's scope needs a0 whatever the encoder reads). `cfg` gives the placement, the
+/// layout and the first opinion's token limit.
 pub fn dump_step(
     s: &mut dyn Session,
     step: &EvalStep,
     platform: Platform,
-    placement: Placement,
-    max_tokens: usize,
+    cfg: &ScopeMemConfig,
     max_positions: usize,
     encoder: Option<&ScopeMemEncoder>,
 ) -> Result<DumpRecord> {
-    let messages = dataset_messages(step, platform)?;
+    let messages = dataset_messages(step, platform, cfg.layout)?;
     let prompt = s.chat_prompt(&messages)?;
     let context = step_context(
         s,
@@ -550,8 +601,9 @@ pub fn dump_step(
         &step.instruction,
         &step.history,
         platform,
-        max_tokens,
+        cfg.max_tokens,
         max_positions,
+        true,
     )?;
     let prefix = encoder.map(|e| encoder_prefix(s, e, &context)).transpose()?;
     Ok(DumpRecord {
@@ -562,7 +614,8 @@ pub fn dump_step(
         reference: step.reference.clone(),
         target_box: step.target_box,
         messages: crate::tokenize::chat::messages_to_json(&messages),
-        placement,
+        placement: cfg.placement,
+        layout: cfg.layout,
         action_types: MOBILE_ACTION_TYPES,
         max_positions,
         context,

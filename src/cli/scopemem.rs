@@ -10,6 +10,7 @@ use recall::agent::eval::{evaluate_with, BootstrapConfig, EvalReport, StepOutcom
 use recall::agent::scopemem::{dump_step, run_dataset, DatasetResult, Placement, ScopeMemConfig};
 use recall::agent::scorers::Scorer;
 use recall::backend::{select, Backend};
+use recall::memory::protocol::ContextLayout;
 use recall::model::scopemem::ScopeMemEncoder;
 use recall::with_backend;
 
@@ -35,6 +36,10 @@ pub struct DumpArgs {
     /// The placement the encoder will be trained for (recorded in every line).
     #[arg(long, default_value = "prepend", value_parser = parse_placement)]
     placement: Placement,
+    /// The actor's context: gui-owl (GUI-Owl-1.5's rolling layout) or paper (ScopeMem §3.1: the
+    /// task, a summary of the last three steps, the latest three screenshots).
+    #[arg(long, default_value = "gui-owl", value_parser = parse_layout)]
+    context: ContextLayout,
     /// Encoder positions per field [default: an --encoder's max_positions, else 256].
     #[arg(long)]
     max_positions: Option<usize>,
@@ -68,6 +73,11 @@ pub struct DatasetRunArgs {
     /// prepend (the paper) or append (before the assistant turn; needs its own training).
     #[arg(long, default_value = "prepend", value_parser = parse_placement)]
     placement: Placement,
+    /// The actor's context: gui-owl (GUI-Owl-1.5's rolling layout) or paper (ScopeMem §3.1: the
+    /// task, a summary of the last three steps, the latest three screenshots). Serve with the
+    /// layout the encoder was trained on.
+    #[arg(long, default_value = "gui-owl", value_parser = parse_layout)]
+    context: ContextLayout,
     /// Most generated tokens per opinion.
     #[arg(long, default_value_t = 256)]
     max_tokens: usize,
@@ -171,6 +181,10 @@ pub fn parse_placement(s: &str) -> std::result::Result<Placement, String> {
     s.parse().map_err(|e: recall::Error| e.to_string())
 }
 
+fn parse_layout(s: &str) -> std::result::Result<ContextLayout, String> {
+    s.parse().map_err(|e: recall::Error| e.to_string())
+}
+
 /// Loads the model, dataset and encoder and runs them.
 fn run_dataset_args(a: &DatasetRunArgs) -> Result<(StepDataset, Vec<DatasetResult>)> {
     with_backend!(select(a.model.backend.backend)?, be => run_on(be, a))
@@ -183,7 +197,8 @@ fn run_on<B: Backend>(be: B, a: &DatasetRunArgs) -> Result<(StepDataset, Vec<Dat
     let cfg = ScopeMemConfig {
         placement: a.placement,
         max_tokens: a.max_tokens,
-        draft: true,
+        layout: a.context,
+        ..ScopeMemConfig::default()
     };
     let mut engine = p.engine(a.model.engine_config())?;
     let lines = (!a.lines.is_empty()).then_some(a.lines.as_slice());
@@ -213,14 +228,19 @@ fn dump<B: Backend>(be: B, a: &DumpArgs) -> Result<()> {
         indicatif::ProgressStyle::with_template("dumping {bar:30} {pos}/{len} steps")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
+    let cfg = ScopeMemConfig {
+        placement: a.placement,
+        max_tokens: a.max_tokens,
+        layout: a.context,
+        ..ScopeMemConfig::default()
+    };
     let mut out = String::new();
     for step in steps {
         let record = dump_step(
             &mut s,
             step,
             dataset.platform,
-            a.placement,
-            a.max_tokens,
+            &cfg,
             max_positions,
             encoder.as_ref(),
         )?;

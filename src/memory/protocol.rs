@@ -361,3 +361,88 @@ pub fn render_decision(
         decision.current_screenshot,
     )
 }
+
+/// How a step's context is laid out for the actor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ContextLayout {
+    /// GUI-Owl-1.5's rolling layout ([`render`]): every completed step folded or retained.
+    #[default]
+    GuiOwl,
+    /// ScopeMem's controlled study (§3.1): the task, a rolling summary of the last
+    /// [`PAPER_SUMMARY_STEPS`] steps and the latest [`PAPER_SCREENSHOTS`] screenshots ([`render_paper`]).
+    Paper,
+}
+
+impl std::str::FromStr for ContextLayout {
+    type Err = Error;
+
+    /// `gui-owl` or `paper`.
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "gui-owl" => Ok(Self::GuiOwl),
+            "paper" => Ok(Self::Paper),
+            other => Err(Error::InvalidRequest(format!(
+                "context layout `{other}`: expected gui-owl or paper"
+            ))),
+        }
+    }
+}
+
+/// Steps in the paper layout's rolling summary.
+pub const PAPER_SUMMARY_STEPS: usize = 3;
+/// Screenshots in the paper layout, the current one included.
+pub const PAPER_SCREENSHOTS: usize = 3;
+
+/// The paper's actor context (ScopeMem §3.1): one user turn holding the task and the rolling summary
+/// of the last three completed steps (`Step{i}: {a_i}` lines, global numbers, in [`render`]'s first
+/// user text), then the latest three screenshots oldest first, the current screen last: those of
+/// steps `T−1` and `T` among `shown`, the completed steps whose screenshot exists (a dataset may not
+/// hold them all). The system prompt is the protocol's.
+///
+/// ```
+/// use std::path::Path;
+/// use recall::memory::episode::StepRecord;
+/// use recall::memory::protocol::{render_paper, Protocol};
+/// use recall::tokenize::chat::ContentPart;
+///
+/// let steps: Vec<StepRecord> = (1..=5)
+///     .map(|s| StepRecord::new(format!("x{s}.png"), format!("Action: Do {s}.\n<tool_call>\n{{}}\n</tool_call>")))
+///     .collect();
+/// let m = render_paper(Protocol::Mobile, "Find cats.", &steps, &[1, 2, 3, 4, 5], Path::new("x6.png"))?;
+/// assert_eq!(m.len(), 2);
+/// let ContentPart::Text(text) = &m[1].content[0] else { unreachable!() };
+/// assert!(text.ends_with("Previous actions:\nStep3: Do 3.\nStep4: Do 4.\nStep5: Do 5."));
+/// assert_eq!(m[1].content[1..], [ContentPart::Image("x4.png".into()), ContentPart::Image("x5.png".into()),
+///                                ContentPart::Image("x6.png".into())]);
+/// # Ok::<(), recall::Error>(())
+/// ```
+pub fn render_paper(
+    protocol: Protocol,
+    instruction: &str,
+    completed: &[StepRecord],
+    shown: &[usize],
+    current: &Path,
+) -> Result<Vec<ChatMessage>> {
+    let t = completed.len();
+    validate_allocation(protocol, t, shown)?;
+    let summary = fold(
+        completed,
+        (t + 1).saturating_sub(PAPER_SUMMARY_STEPS),
+        t,
+        protocol.platform(),
+    );
+    let mut content = vec![ContentPart::Text(first_user_text(instruction, &summary))];
+    let oldest = (t + 1).saturating_sub(PAPER_SCREENSHOTS - 1);
+    content.extend(
+        shown
+            .iter()
+            .filter(|&&s| s >= oldest)
+            .map(|&s| image(&completed[s - 1].screenshot)),
+    );
+    content.push(image(current));
+    Ok(vec![
+        ChatMessage::text("system", protocol.system_prompt()),
+        ChatMessage::new("user", content),
+    ])
+}

@@ -30,6 +30,10 @@
 //! d 384, 6 heads, ffn 1536, 256 positions) the encoder has 10,508,032 parameters
 //! ([`ScopeMemConfig::num_parameters`]).
 //!
+//! The study's controls are the same network reading less ([`Variant`]: one-pass, task-only,
+//! history-only, fixed-query); `fields` and `confidence` in the config say what it reads, and only
+//! the full encoder needs the actor's first pass ([`ScopeMemConfig::needs_first_opinion`]).
+//!
 //! Everything is composed from [`Backend`] ops, so the encoder runs on any backend. The backend has no
 //! attention whose query and key lengths differ; cross-attention is built from
 //! [`Backend::attention_segments`] by repeating the context (see `cross_attention`), which is exact.
@@ -81,6 +85,89 @@ pub struct ScopeMemConfig {
     pub max_positions: usize,
     /// LayerNorm epsilon.
     pub layer_norm_eps: f32,
+    /// The text fields the encoder reads, as indices into [`FIELDS`] (ascending); segment `i` is
+    /// the `i`-th of them.
+    pub fields: Vec<usize>,
+    /// Whether the confidence token from `(p0, H0)` leads the context.
+    pub confidence: bool,
+}
+
+/// The encoders of the paper's study (§3, §6), by what they read. Only [`Full`](Self::Full)
+/// reads the first opinion (a0, p0, H0) and so needs the actor's first pass; the others are
+/// one-pass: their prefix is known before the actor answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Variant {
+    /// ScopeMem's first-opinion encoder: a0, the task, the summary, the recent actions, p0 and H0.
+    Full,
+    /// The full encoder's inputs that exist before the first pass: the task, the summary and the
+    /// recent actions (the paper's "history encoder").
+    OnePass,
+    /// The task alone.
+    TaskOnly,
+    /// The summary and the recent actions, without the task.
+    HistoryOnly,
+    /// No inputs: 16 learned queries through the cross blocks' MLPs and the output projection (the
+    /// fixed-query prefix: the same for every step).
+    FixedQuery,
+}
+
+impl Variant {
+    /// Every variant, in the order above.
+    pub const ALL: [Variant; 5] = [
+        Variant::Full,
+        Variant::OnePass,
+        Variant::TaskOnly,
+        Variant::HistoryOnly,
+        Variant::FixedQuery,
+    ];
+
+    /// The name `--variant` and `scopemem_config.json` use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Variant::Full => "full",
+            Variant::OnePass => "one-pass",
+            Variant::TaskOnly => "task-only",
+            Variant::HistoryOnly => "history-only",
+            Variant::FixedQuery => "fixed-query",
+        }
+    }
+
+    /// The fields it reads (indices into [`FIELDS`]) and whether it reads the confidence token.
+    pub fn inputs(self) -> (Vec<usize>, bool) {
+        match self {
+            Variant::Full => (vec![0, 1, 2, 3], true),
+            Variant::OnePass => (vec![1, 2, 3], false),
+            Variant::TaskOnly => (vec![1], false),
+            Variant::HistoryOnly => (vec![2, 3], false),
+            Variant::FixedQuery => (vec![], false),
+        }
+    }
+
+    /// The variant that reads exactly these inputs, if any.
+    pub fn of(fields: &[usize], confidence: bool) -> Option<Variant> {
+        Variant::ALL
+            .into_iter()
+            .find(|v| v.inputs() == (fields.to_vec(), confidence))
+    }
+}
+
+impl std::str::FromStr for Variant {
+    type Err = Error;
+
+    /// `full`, `one-pass`, `task-only`, `history-only` or `fixed-query`.
+    ///
+    /// ```
+    /// use recall::model::scopemem::Variant;
+    /// assert_eq!("task-only".parse::<Variant>().unwrap(), Variant::TaskOnly);
+    /// assert!("history".parse::<Variant>().is_err());
+    /// ```
+    fn from_str(s: &str) -> Result<Self> {
+        Variant::ALL.into_iter().find(|v| v.name() == s).ok_or_else(|| {
+            Error::InvalidRequest(format!(
+                "ScopeMem variant `{s}`: expected full, one-pass, task-only, history-only or fixed-query"
+            ))
+        })
+    }
 }
 
 impl ScopeMemConfig {
@@ -104,7 +191,41 @@ impl ScopeMemConfig {
             num_action_types: NUM_ACTION_TYPES,
             max_positions: 256,
             layer_norm_eps: 1e-5,
+            fields: vec![0, 1, 2, 3],
+            confidence: true,
         }
+    }
+
+    /// This shape reading `variant`'s inputs; a fixed-query encoder has no self-attention blocks
+    /// (no context) and its cross blocks attend to nothing (their attention adds `o_proj`'s bias).
+    ///
+    /// ```
+    /// use recall::model::scopemem::{ScopeMemConfig, Variant};
+    /// let c = ScopeMemConfig::paper(4096).with_variant(Variant::TaskOnly);
+    /// assert!(!c.needs_first_opinion());
+    /// assert_eq!(c.variant(), Some(Variant::TaskOnly));
+    /// ```
+    pub fn with_variant(mut self, variant: Variant) -> Self {
+        (self.fields, self.confidence) = variant.inputs();
+        if variant == Variant::FixedQuery {
+            self.num_self_layers = 0;
+        }
+        self
+    }
+
+    /// The study variant these inputs make, if one.
+    pub fn variant(&self) -> Option<Variant> {
+        Variant::of(&self.fields, self.confidence)
+    }
+
+    /// Whether the prefix depends on the actor's first pass (a0, or p0 and H0).
+    pub fn needs_first_opinion(&self) -> bool {
+        self.confidence || self.fields.contains(&0)
+    }
+
+    /// Whether the context holds anything (fields or the confidence token).
+    pub fn has_context(&self) -> bool {
+        self.confidence || !self.fields.is_empty()
     }
 
     /// Reads and validates a `scopemem_config.json`; errors name the file and the field.
@@ -134,21 +255,25 @@ impl ScopeMemConfig {
                 return Err(err("format_version", format!("expected 1, found {v}")));
             }
         }
-        if let Some(v) = doc.get("fields") {
-            let names: Option<Vec<&str>> = v.as_array().map(|a| a.iter().filter_map(Value::as_str).collect());
-            if names.as_deref() != Some(&FIELDS[..]) {
-                return Err(err("fields", format!("expected {FIELDS:?}, found {v}")));
-            }
-        }
-        let size = |field: &str| -> Result<usize> {
+        let fields = match doc.get("fields") {
+            None => vec![0, 1, 2, 3],
+            Some(v) => parse_fields(v).map_err(|m| err("fields", m))?,
+        };
+        let confidence = match doc.get("confidence") {
+            None => true,
+            Some(Value::Bool(b)) => *b,
+            Some(v) => return Err(err("confidence", format!("expected true or false, found {v}"))),
+        };
+        let count = |field: &str, min: u64| -> Result<usize> {
             match doc.get(field).and_then(Value::as_u64) {
-                Some(v) if v > 0 => Ok(v as usize),
+                Some(v) if v >= min => Ok(v as usize),
                 _ => Err(err(
                     field,
-                    format!("missing or not a positive integer (found {:?})", doc.get(field)),
+                    format!("missing or not an integer ≥ {min} (found {:?})", doc.get(field)),
                 )),
             }
         };
+        let size = |field: &str| count(field, 1);
         let eps = match doc.get("layer_norm_eps").and_then(Value::as_f64) {
             Some(v) if v > 0.0 && v.is_finite() => v as f32,
             _ => {
@@ -165,15 +290,42 @@ impl ScopeMemConfig {
             hidden_size: size("hidden_size")?,
             d_model: size("d_model")?,
             num_heads: size("num_heads")?,
-            num_self_layers: size("num_self_layers")?,
-            num_cross_layers: size("num_cross_layers")?,
+            num_self_layers: count("num_self_layers", 0)?,
+            num_cross_layers: count("num_cross_layers", 0)?,
             num_queries: size("num_queries")?,
             ffn_size: size("ffn_size")?,
             conf_hidden: size("conf_hidden")?,
             num_action_types: size("num_action_types")?,
             max_positions: size("max_positions")?,
             layer_norm_eps: eps,
+            fields,
+            confidence,
         };
+        if !cfg.has_context() && cfg.num_self_layers > 0 {
+            return Err(err(
+                "num_self_layers",
+                format!(
+                    "{}: an encoder that reads nothing (fixed-query) has no context to \
+                     self-attend; it must be 0",
+                    cfg.num_self_layers
+                ),
+            ));
+        }
+        if let Some(v) = doc.get("variant") {
+            let named = v.as_str().map(str::parse::<Variant>);
+            match (named, cfg.variant()) {
+                (Some(Ok(n)), Some(made)) if n == made => {}
+                _ => {
+                    return Err(err(
+                        "variant",
+                        format!(
+                            "{v} does not match the inputs `fields` and `confidence` describe ({})",
+                            cfg.variant().map_or("no named variant", Variant::name)
+                        ),
+                    ))
+                }
+            }
+        }
         if !cfg.d_model.is_multiple_of(cfg.num_heads) {
             return Err(err(
                 "num_heads",
@@ -218,15 +370,21 @@ impl ScopeMemConfig {
             linear(t, &format!("{p}.mlp.fc1"), f, d);
             linear(t, &format!("{p}.mlp.fc2"), d, f);
         };
-        linear(&mut t, "in_proj", d, h);
-        t.push(("segment_embed.weight".into(), vec![FIELDS.len(), d]));
-        t.push(("pos_embed.weight".into(), vec![self.max_positions, d]));
-        linear(&mut t, "conf_mlp.fc1", c, self.num_action_types + 1);
-        linear(&mut t, "conf_mlp.fc2", d, c);
+        if !self.fields.is_empty() {
+            linear(&mut t, "in_proj", d, h);
+            t.push(("segment_embed.weight".into(), vec![self.fields.len(), d]));
+            t.push(("pos_embed.weight".into(), vec![self.max_positions, d]));
+        }
+        if self.confidence {
+            linear(&mut t, "conf_mlp.fc1", c, self.num_action_types + 1);
+            linear(&mut t, "conf_mlp.fc2", d, c);
+        }
         for i in 0..self.num_self_layers {
             block(&mut t, &format!("self_layers.{i}"));
         }
-        norm(&mut t, "context_norm", d);
+        if self.has_context() {
+            norm(&mut t, "context_norm", d);
+        }
         t.push(("queries".into(), vec![self.num_queries, d]));
         for i in 0..self.num_cross_layers {
             block(&mut t, &format!("cross_layers.{i}"));
@@ -241,12 +399,20 @@ impl ScopeMemConfig {
     pub fn num_parameters(&self) -> usize {
         let (h, d, f, c) = (self.hidden_size, self.d_model, self.ffn_size, self.conf_hidden);
         let block = 2 * 2 * d + 4 * (d * d + d) + (d * f + f) + (f * d + d);
-        (h * d + d)
-            + FIELDS.len() * d
-            + self.max_positions * d
-            + ((self.num_action_types + 1) * c + c + c * d + d)
+        let fields = if self.fields.is_empty() {
+            0
+        } else {
+            (h * d + d) + self.fields.len() * d + self.max_positions * d
+        };
+        let confidence = if self.confidence {
+            (self.num_action_types + 1) * c + c + c * d + d
+        } else {
+            0
+        };
+        fields
+            + confidence
             + self.num_self_layers * block
-            + 2 * d
+            + if self.has_context() { 2 * d } else { 0 }
             + self.num_queries * d
             + self.num_cross_layers * block
             + 2 * d
@@ -294,6 +460,25 @@ impl EncoderInputs {
             (FIELDS[3], &self.recent_actions),
         ]
     }
+}
+
+/// `fields` of `scopemem_config.json`: names from [`FIELDS`], each at most once, in that order.
+fn parse_fields(v: &Value) -> std::result::Result<Vec<usize>, String> {
+    let names = v
+        .as_array()
+        .ok_or_else(|| format!("expected a list of field names, found {v}"))?;
+    let mut out: Vec<usize> = Vec::new();
+    for n in names {
+        let i = n
+            .as_str()
+            .and_then(|n| FIELDS.iter().position(|f| *f == n))
+            .ok_or_else(|| format!("{n} is not one of {FIELDS:?}"))?;
+        if out.last().is_some_and(|&last| last >= i) {
+            return Err(format!("{v}: each of {FIELDS:?} at most once, in that order"));
+        }
+        out.push(i);
+    }
+    Ok(out)
 }
 
 /// The entropy `H0 = −Σ p ln p` of the action-type distribution (natural log, `0 · ln 0 = 0`), summed
@@ -426,6 +611,15 @@ impl<B: Backend> Block<B> {
         let m = self.mlp.forward(be, &self.norm2.forward(be, &x, eps)?)?;
         be.add(&x, &m)
     }
+
+    /// Cross-attention onto an empty context: the attention output is the empty sum, zero, so
+    /// the block adds `o_proj(0)` (its bias) and then its MLP — what PyTorch computes for zero keys.
+    fn forward_onto_nothing(&self, be: &B, x: &B::Tensor, eps: f32) -> Result<B::Tensor> {
+        let (m, d) = be.dims(x);
+        let x = be.add(x, &self.o_proj.forward(be, &be.zeros(m, d)?)?)?;
+        let mlp = self.mlp.forward(be, &self.norm2.forward(be, &x, eps)?)?;
+        be.add(&x, &mlp)
+    }
 }
 
 /// Unmasked attention of `q: [m, heads·hd]` onto `k, v: [n, heads·hd]` (`n ≥ 1`) from
@@ -455,6 +649,13 @@ fn cross_attention<B: Backend>(
     be.rows(&out, 0, m)
 }
 
+/// How field tokens enter the context: `in_proj(e) + segment_embed[s] + pos_embed[position]`.
+struct FieldEmbedding<B: Backend> {
+    in_proj: Linear<B>,       // [d, hidden]
+    segment_embed: B::Weight, // [fields, d]
+    pos_embed: B::Weight,     // [max_positions, d]
+}
+
 /// The ScopeMem encoder's weights on a backend (the CPU reference unless stated).
 ///
 /// ```
@@ -472,12 +673,12 @@ pub struct ScopeMemEncoder<B: Backend = CpuBackend> {
     config: ScopeMemConfig,
     /// The directory it was loaded from (for errors and logs).
     source: PathBuf,
-    in_proj: Linear<B>,       // [d, hidden]
-    segment_embed: B::Weight, // [4, d]
-    pos_embed: B::Weight,     // [max_positions, d]
-    conf_mlp: Mlp<B>,         // [11] -> [conf_hidden] -> [d]
+    /// Present when the encoder reads text fields.
+    fields: Option<FieldEmbedding<B>>,
+    conf_mlp: Option<Mlp<B>>, // [11] -> [conf_hidden] -> [d]
     self_layers: Vec<Block<B>>,
-    context_norm: LayerNorm<B>,
+    /// Present when the context holds anything.
+    context_norm: Option<LayerNorm<B>>,
     queries: B::Weight, // [num_queries, d]
     cross_layers: Vec<Block<B>>,
     out_norm: LayerNorm<B>,
@@ -563,14 +764,20 @@ impl<B: Backend> ScopeMemEncoder<B> {
             })
         };
         let enc = ScopeMemEncoder {
-            in_proj: linear("in_proj")?,
-            segment_embed: w("segment_embed.weight")?,
-            pos_embed: w("pos_embed.weight")?,
-            conf_mlp: mlp("conf_mlp")?,
+            fields: if config.fields.is_empty() {
+                None
+            } else {
+                Some(FieldEmbedding {
+                    in_proj: linear("in_proj")?,
+                    segment_embed: w("segment_embed.weight")?,
+                    pos_embed: w("pos_embed.weight")?,
+                })
+            },
+            conf_mlp: config.confidence.then(|| mlp("conf_mlp")).transpose()?,
             self_layers: (0..config.num_self_layers)
                 .map(|i| block(format!("self_layers.{i}")))
                 .collect::<Result<_>>()?,
-            context_norm: norm("context_norm")?,
+            context_norm: config.has_context().then(|| norm("context_norm")).transpose()?,
             queries: w("queries")?,
             cross_layers: (0..config.num_cross_layers)
                 .map(|i| block(format!("cross_layers.{i}")))
@@ -599,18 +806,75 @@ impl<B: Backend> ScopeMemEncoder<B> {
         &self.source
     }
 
-    /// [`ScopeMemEncoder::forward`] on any backend (the one the weights were loaded onto).
+    /// [`ScopeMemEncoder::forward`] on any backend (the one the weights were loaded onto). Only the
+    /// fields the config lists are read (and checked), and `p0` only when it reads the confidence.
     ///
     /// Errors (before any computation): `p0` not a distribution; a field whose length is not a
     /// multiple of `hidden_size`, that holds more than `max_positions` tokens or non-finite values.
     pub fn forward_on(&self, be: &B, inputs: &EncoderInputs) -> Result<Vec<f32>> {
         let c = &self.config;
-        let (hidden, d) = (c.hidden_size, c.d_model);
-        check_p0(&inputs.p0)?;
-        // The field tokens, concatenated in segment order, with their segment and position ids.
+        let eps = c.layer_norm_eps;
+        if c.confidence {
+            check_p0(&inputs.p0)?;
+        }
+        let mut q = be.embedding(&self.queries, &(0..c.num_queries as u32).collect::<Vec<_>>())?;
+        let ctx = self.context(be, inputs)?;
+        for layer in &self.cross_layers {
+            q = match &ctx {
+                Some(ctx) => layer.forward(be, &q, Some(ctx), c.num_heads, eps)?,
+                None => layer.forward_onto_nothing(be, &q, eps)?,
+            };
+        }
+        let out = self.out_proj.forward(be, &self.out_norm.forward(be, &q, eps)?)?;
+        be.download(&out)
+    }
+
+    /// The normalised context `[L, d]` after the self-attention blocks: the confidence token (when
+    /// read), then the read fields' tokens in segment order. `None` when it holds nothing (an
+    /// encoder that reads nothing, or only fields that are all empty, as history on a first step).
+    fn context(&self, be: &B, inputs: &EncoderInputs) -> Result<Option<B::Tensor>> {
+        let c = &self.config;
+        let (hidden, d, eps) = (c.hidden_size, c.d_model, c.layer_norm_eps);
+        let Some(norm) = &self.context_norm else {
+            return Ok(None);
+        };
+        let all = inputs.fields();
+        let (rows, segment, position) = self.field_tokens(&all)?;
+        let tokens = segment.len();
+        let lead = usize::from(c.confidence);
+        let len = lead + tokens;
+        if len == 0 {
+            return Ok(None);
+        }
+        let mut h = be.zeros(len, d)?; // [len, d]
+        if let Some(conf_mlp) = &self.conf_mlp {
+            let mut features = inputs.p0.to_vec();
+            features.push(action_type_entropy(&inputs.p0));
+            let conf = conf_mlp.forward(be, &be.upload(&features, 1, features.len())?)?;
+            be.scatter_rows(&mut h, &[0], &conf, false)?;
+        }
+        if let (Some(f), true) = (&self.fields, tokens > 0) {
+            let x = f.in_proj.forward(be, &be.upload(&rows, tokens, hidden)?)?;
+            let x = be.add(&x, &be.embedding(&f.segment_embed, &segment)?)?;
+            let x = be.add(&x, &be.embedding(&f.pos_embed, &position)?)?;
+            be.scatter_rows(&mut h, &(lead..len).collect::<Vec<_>>(), &x, false)?;
+        }
+        for layer in &self.self_layers {
+            h = layer.forward(be, &h, None, c.num_heads, eps)?;
+        }
+        Ok(Some(norm.forward(be, &h, eps)?))
+    }
+
+    /// The read fields' embeddings concatenated in segment order, with their segment and position
+    /// ids; every read field is checked.
+    #[allow(clippy::type_complexity)]
+    fn field_tokens(&self, all: &[(&'static str, &[f32]); 4]) -> Result<(Vec<f32>, Vec<u32>, Vec<u32>)> {
+        let c = &self.config;
+        let hidden = c.hidden_size;
         let mut rows: Vec<f32> = Vec::new();
         let (mut segment, mut position) = (Vec::new(), Vec::new());
-        for (s, (name, data)) in inputs.fields().into_iter().enumerate() {
+        for (s, &field) in c.fields.iter().enumerate() {
+            let (name, data) = all[field];
             if data.len() % hidden != 0 {
                 return Err(Error::InvalidRequest(format!(
                     "ScopeMem field `{name}` has {} values, not a multiple of hidden_size {hidden} \
@@ -637,35 +901,6 @@ impl<B: Backend> ScopeMemEncoder<B> {
             segment.extend(std::iter::repeat_n(s as u32, n));
             position.extend(0..n as u32);
         }
-        let tokens = segment.len();
-        let len = 1 + tokens; // the confidence token first
-
-        // Confidence token from (p0, H0).
-        let mut features = inputs.p0.to_vec();
-        features.push(action_type_entropy(&inputs.p0));
-        let conf = self
-            .conf_mlp
-            .forward(be, &be.upload(&features, 1, features.len())?)?;
-        let mut h = be.zeros(len, d)?; // [len, d]
-        be.scatter_rows(&mut h, &[0], &conf, false)?;
-        if tokens > 0 {
-            let x = self.in_proj.forward(be, &be.upload(&rows, tokens, hidden)?)?;
-            let x = be.add(&x, &be.embedding(&self.segment_embed, &segment)?)?;
-            let x = be.add(&x, &be.embedding(&self.pos_embed, &position)?)?;
-            be.scatter_rows(&mut h, &(1..len).collect::<Vec<_>>(), &x, false)?;
-        }
-
-        let eps = c.layer_norm_eps;
-        for layer in &self.self_layers {
-            h = layer.forward(be, &h, None, c.num_heads, eps)?;
-        }
-        let ctx = self.context_norm.forward(be, &h, eps)?;
-        let ids: Vec<u32> = (0..c.num_queries as u32).collect();
-        let mut q = be.embedding(&self.queries, &ids)?; // [num_queries, d]
-        for layer in &self.cross_layers {
-            q = layer.forward(be, &q, Some(&ctx), c.num_heads, eps)?;
-        }
-        let out = self.out_proj.forward(be, &self.out_norm.forward(be, &q, eps)?)?;
-        be.download(&out)
+        Ok((rows, segment, position))
     }
 }

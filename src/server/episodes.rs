@@ -735,6 +735,7 @@ impl EpisodeState {
                     placement: cfg.placement,
                     max_tokens: cfg.max_tokens,
                     draft: cfg.draft,
+                    ..ScopeMemConfig::default()
                 };
                 let o = scopemem_step(s, encoder, &prompt, &cfg.instruction, &history, cfg.platform, &sm)?;
                 let ms = clock.elapsed().as_secs_f64() * 1e3;

@@ -132,6 +132,13 @@ def test_a_dump_line_without_a_field_is_a_clear_error(tmp_path):
     assert p.returncode == 2 and "missing field `p0`" in p.stderr, p.stderr
 
 
+def recall(*args):
+    cmd = [recall_bin(), *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 0, f"`{' '.join(cmd)}` failed:\n{p.stderr}"
+    return p.stdout
+
+
 # ---------------------------------------------------------------------------------------------- tiny model
 
 
@@ -220,3 +227,81 @@ def test_preservation_acts_when_the_first_opinion_is_right(trained, tmp_path):
     w = second["w"]
     assert w == pytest.approx(0.5) and second["preservation"] > 0
     assert second["loss"] == pytest.approx(second["ce"] + w * second["preservation"], rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- variants
+
+ONE_PASS = [v for v in T.VARIANTS if v != "full"]
+
+
+@pytest.fixture(scope="module")
+def variants(trained):
+    """Every one-pass variant trained on the same dump as the full encoder."""
+    out = {}
+    for v in ONE_PASS:
+        args = T.parse_args(["--dump", str(trained["tmp"] / "train.jsonl"), "--actor", MODEL, "--epochs", "2",
+                             "--lr", "3e-3", "--variant", v, "--out", str(trained["tmp"] / v), "--seed", "0"])
+        out[v] = T.train(args)
+    return out
+
+
+@pytest.mark.parametrize("variant", ONE_PASS)
+def test_each_variant_trains_and_recall_serves_it(trained, variants, variant):
+    r = variants[variant]
+    fields, conf = T.VARIANTS[variant]
+    assert r["variant"] == variant and r["fields"] == list(fields) and r["confidence"] is conf
+    print(f"{variant}: objective {r['before']['loss']:.4f} -> {r['after']['loss']:.4f}")
+    assert r["after"]["loss"] < r["before"]["loss"] - 1e-3
+    enc_dir = str(trained["out"].parent / variant / "encoder")
+    served = dump(trained["tmp"] / f"served-{variant}.jsonl", "--encoder", enc_dir)
+    worst = 0.0
+    for rec in served:
+        with torch.no_grad():
+            ours = T.encoder_prefix(r["actor"], r["encoder"], rec)
+        # what the variant does not read does not move its prefix
+        blind = dict(rec, ids={k: (v if k in fields else [1, 2, 3]) for k, v in rec["ids"].items()},
+                     p0=rec["p0"] if conf else [1.0] + [0.0] * 9)
+        with torch.no_grad():
+            assert torch.equal(T.encoder_prefix(r["actor"], r["encoder"], blind), ours)
+        worst = max(worst, (ours - torch.tensor(rec["prefix"]).view_as(ours)).abs().max().item())
+    print(f"{variant}: max |recall prefix - trainer prefix| = {worst:.3g}")
+    assert worst <= TOL
+    # served one-pass: `scopemem run` answers with the prefix and still reports the plain answer
+    rows = [json.loads(x) for x in recall("scopemem", "run", "--model", MODEL, "--dataset", DATASET, "--lines", "1,2",
+                                          "--max-tokens", "16", "--backend", "cpu", "--encoder", enc_dir).splitlines()]
+    assert len(rows) == 2 and all(row["opinions"]["first"] is not None for row in rows)
+
+
+def test_eval_compare_reports_two_variants(trained, variants, tmp_path):
+    """`recall eval` with the full and the task-only encoder, then `recall eval --compare`."""
+    reports = {}
+    for name, enc_dir in [("full", trained["out"] / "encoder"),
+                          ("task-only", trained["out"].parent / "task-only" / "encoder")]:
+        path = tmp_path / f"{name}.json"
+        recall("eval", "--model", MODEL, "--dataset", DATASET, "--lines", LINES, "--max-tokens", "16",
+               "--backend", "cpu", "--encoder", str(enc_dir), "--bootstrap", "200", "--json", str(path))
+        reports[name] = path
+    out = tmp_path / "compare.json"
+    md = recall("eval", "--compare", str(reports["full"]), str(reports["task-only"]), "--bootstrap", "200",
+                "--json", str(out))
+    c = json.load(open(out))
+    counts = c["counts"]
+    assert counts["steps"] == 4
+    assert counts["keeps"] + counts["repairs"] + counts["harms"] + counts["neither"] == 4
+    assert c["advantage"] == pytest.approx(c["em_b"] - c["em_a"])
+    assert "keeps" in md.lower() or "keep" in md.lower()
+
+
+def test_trains_on_the_paper_layout(tmp_path):
+    """A dump in the paper's context (one user turn, latest three screenshots) renders and trains."""
+    cmd = [recall_bin(), "scopemem", "dump", "--model", MODEL, "--dataset", DATASET, "--lines", "5",
+           "--max-tokens", "16", "--backend", "cpu", "--context", "paper", "--out", str(tmp_path / "paper.jsonl")]
+    assert subprocess.run(cmd, capture_output=True, cwd=ROOT).returncode == 0
+    rec = T.read_dump(str(tmp_path / "paper.jsonl"))[0]
+    assert rec["layout"] == "paper" and len(rec["messages"]) == 2
+    args = T.parse_args(["--dump", str(tmp_path / "paper.jsonl"), "--actor", MODEL, "--epochs", "1", "--no-eval",
+                         "--variant", "one-pass", "--out", str(tmp_path / "out")])
+    r = T.train(args)
+    prompt = r["actor"].prompt(rec["messages"], rec["_dir"])
+    assert prompt["grid"].shape[0] == 3  # three screenshots reach the actor
+    assert len(r["steps"]) == 1 and math.isfinite(r["steps"][0]["loss"])
