@@ -851,7 +851,7 @@ pub fn run_bench(args: &BenchArgs) -> Result<BenchReport> {
     drop(dir);
     report.wall_s = wall.elapsed().as_secs_f64();
     if let Some(path) = &args.json_out {
-        std::fs::write(path, report.to_json()?).map_err(|e| Error::io(path, e))?;
+        crate::atomic::write_atomic(path, report.to_json()?)?;
     }
     Ok(report)
 }
@@ -1129,7 +1129,7 @@ fn write_random_model(
 ) -> Result<(ModelConfig, Written, Option<Checkpoint>)> {
     let clock = Instant::now();
     let src = config_dir.join("config.json");
-    let text = std::fs::read_to_string(&src).map_err(|e| Error::io(&src, e))?;
+    let text = crate::limits::read_capped(&src, crate::limits::MAX_CONFIG_BYTES)?;
     let mut root: Value = serde_json::from_str(&text).map_err(|e| Error::json(&src, "", e))?;
     if let Some(n) = layers {
         let scope = if root
@@ -1146,7 +1146,7 @@ fn write_random_model(
     }
     let dst = out.join("config.json");
     let doc = serde_json::to_string_pretty(&root).map_err(|e| Error::json(&src, "", e))?;
-    std::fs::write(&dst, doc).map_err(|e| Error::io(&dst, e))?;
+    crate::atomic::write_atomic(&dst, doc)?;
     let gen = config_dir.join("generation_config.json");
     if gen.exists() {
         let to = out.join("generation_config.json");

@@ -6,8 +6,8 @@ use std::path::PathBuf;
 /// Errors returned by the `recall` library.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// A file could not be read or mapped.
-    #[error("cannot read {path}: {source}")]
+    /// A file could not be read, mapped or written (the message says which step, where it matters).
+    #[error("{path}: {source}")]
     Io {
         path: PathBuf,
         #[source]
@@ -77,6 +77,16 @@ pub enum Error {
     /// The request was cancelled (its client went away, or it was aborted) before it finished.
     #[error("request cancelled")]
     Cancelled,
+
+    /// An input is larger than one of the caps in [`crate::limits`] (a corrupt or hostile file, e.g. a
+    /// safetensors header claiming 2^60 bytes): refused before memory of that size is allocated.
+    #[error("{path}: {what} of {value} bytes exceeds the limit of {cap} bytes")]
+    LimitExceeded {
+        what: String,
+        path: PathBuf,
+        value: u64,
+        cap: u64,
+    },
 
     /// A request is invalid (empty prompt, token id out of range, ...).
     #[error("invalid request: {0}")]

@@ -5,11 +5,13 @@
 //! scoring). Dependencies point down only.
 
 pub mod agent;
+pub mod atomic;
 pub mod backend;
 pub mod bench;
 pub mod engine;
 pub mod error;
 pub mod kv;
+pub mod limits;
 pub mod loadgen;
 pub mod memory;
 pub mod model;

@@ -83,7 +83,7 @@ impl StepDataset {
     /// Reads and validates a JSONL step file (see the module docs). Screenshot files are not opened; see
     /// [`check_screenshots`](Self::check_screenshots).
     pub fn load(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = crate::limits::read_capped(path, crate::limits::MAX_DOCUMENT_BYTES)?;
         let base = path.parent().unwrap_or(Path::new("."));
         Self::parse(&text, path, base)
     }

@@ -69,6 +69,12 @@ pub struct DecisionRecord<'a> {
     pub episode: &'a str,
     pub t: usize,
     pub kind: &'static str,
+    /// How many label lines follow: a decision is complete when all of them are in the file (an
+    /// interrupted run can leave fewer; `--resume` redoes such a decision).
+    pub labels: usize,
+    /// The run's `--budgets`, sorted and deduplicated: they decide the Recent-B anchors and the
+    /// beam depth, so a resumed run must use the same.
+    pub budgets: &'a [usize],
     pub context: ContextJson,
     pub made_with: &'a LabelSource,
 }
@@ -186,8 +192,12 @@ pub fn label_context(
     Ok(ctx)
 }
 
-/// Labels every decision of `episode` that has a recorded response and appends the JSONL lines (a
-/// `decision` line, then its labels) to `out`. `name` is the episode as the lines record it.
+/// Labels decisions `first_t..=T` of `episode` (every one needs a recorded response) and hands each
+/// decision's JSONL lines to `emit` as one string: its `decision` line (announcing how many label
+/// lines follow), then its labels. Emitting a decision whole lets the caller write it in one append,
+/// and the count lets a reader tell a decision cut short by a kill from a complete one. `name` is the
+/// episode as the lines record it; decisions before `first_t` are taken as already labelled (a
+/// resumed run). Returns the number of label lines emitted.
 #[allow(clippy::too_many_arguments)]
 pub fn label_episode(
     s: &mut dyn Session,
@@ -197,31 +207,38 @@ pub fn label_episode(
     budgets: &[usize],
     adapter: AdapterMode,
     made_with: &LabelSource,
-    out: &mut String,
+    first_t: usize,
+    emit: &mut dyn FnMut(String) -> Result<()>,
 ) -> Result<usize> {
     let mut memo = EpisodeMemo::default();
     let bar = indicatif::ProgressBar::new(episode.len() as u64).with_style(
         indicatif::ProgressStyle::with_template("labelling {bar:30} {pos}/{len} decisions")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
+    bar.set_position(first_t.saturating_sub(1).min(episode.len()) as u64);
+    let recorded_budgets = normalized(budgets);
     let mut lines = 0;
-    for t in 1..=episode.len() {
+    for t in first_t.max(1)..=episode.len() {
         let ctx = label_context(episode, t, protocol, &mut memo)?;
-        out.push_str(&json_line(&DecisionRecord {
+        let labels = utility_labels(s, episode, t, protocol, budgets, adapter)?;
+        let mut group = json_line(&DecisionRecord {
             episode: name,
             t,
             kind: "decision",
+            labels: labels.len(),
+            budgets: &recorded_budgets,
             context: ContextJson::of(&ctx),
             made_with,
-        })?);
-        for label in utility_labels(s, episode, t, protocol, budgets, adapter)? {
-            out.push_str(&json_line(&LabelRecord {
+        })?;
+        for label in &labels {
+            group.push_str(&json_line(&LabelRecord {
                 episode: name,
-                label: &label,
+                label,
                 made_with,
             })?);
-            lines += 1;
         }
+        emit(group)?;
+        lines += labels.len();
         tracing::info!(t, "labelled");
         bar.inc(1);
     }
@@ -349,15 +366,17 @@ pub fn read_labels(paths: &[PathBuf], allow_mixed: bool) -> Result<LabelSet> {
     let mut order: Vec<(String, usize)> = Vec::new();
     let mut made_with: Option<(Value, String)> = None;
     let mut labels = 0;
+    let mut announced: BTreeMap<Key, (usize, String)> = BTreeMap::new();
     for path in paths {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = crate::limits::read_capped(path, crate::limits::MAX_DOCUMENT_BYTES)?;
         for (i, line) in text.lines().enumerate() {
             if line.trim().is_empty() {
                 continue;
             }
             let at = format!("{}:{}", path.display(), i + 1);
             let bad = |m: String| Error::InvalidRequest(format!("{at}: {m}"));
-            let v: Value = serde_json::from_str(line).map_err(|e| bad(format!("not JSON: {e}")))?;
+            let v: Value = serde_json::from_str(line)
+                .map_err(|e| bad(format!("not JSON: {e}{}", partial_hint(&text, i))))?;
             let field = |name: &str| v.get(name).ok_or_else(|| bad(format!("no field `{name}`")));
             let episode = field("episode")
                 .map_err(|e| {
@@ -398,6 +417,12 @@ pub fn read_labels(paths: &[PathBuf], allow_mixed: bool) -> Result<LabelSet> {
                 if contexts.insert(key.clone(), ctx).is_some() {
                     return Err(bad(format!("a second decision line for episode {} t={t}", key.0)));
                 }
+                if let Some(n) = v.get("labels") {
+                    let n = n
+                        .as_u64()
+                        .ok_or_else(|| bad("field `labels`: expected a count".into()))?;
+                    announced.insert(key.clone(), (n as usize, at.clone()));
+                }
                 order.push(key);
                 continue;
             }
@@ -414,6 +439,7 @@ pub fn read_labels(paths: &[PathBuf], allow_mixed: bool) -> Result<LabelSet> {
             labels += 1;
         }
     }
+    check_announced(&announced, &sets)?;
     for key in sets.keys() {
         if !contexts.contains_key(key) {
             return Err(Error::InvalidRequest(format!(
@@ -439,6 +465,207 @@ pub fn read_labels(paths: &[PathBuf], allow_mixed: bool) -> Result<LabelSet> {
         made_with: made_with.map(|m| m.0).unwrap_or(Value::Null),
         labels,
     })
+}
+
+/// One decision of a label run, as a resumed run compares them: the decisions a file holds complete
+/// must be the first ones the run would label, with the same `made_with` and `budgets`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecisionUnit {
+    pub episode: String,
+    pub t: usize,
+    pub made_with: Value,
+    /// The `--budgets`, sorted and deduplicated (as the `decision` line records them).
+    pub budgets: Vec<usize>,
+}
+
+/// Budgets as the `decision` line records them: `1,2,2` and `2,1` label the same sets.
+fn normalized(budgets: &[usize]) -> Vec<usize> {
+    let mut b = budgets.to_vec();
+    b.sort_unstable();
+    b.dedup();
+    b
+}
+
+/// The decisions a label run labels for one episode of `len` decisions, in order.
+pub fn plan_decisions(
+    name: &str,
+    len: usize,
+    budgets: &[usize],
+    made_with: &LabelSource,
+) -> Result<Vec<DecisionUnit>> {
+    let made_with =
+        serde_json::to_value(made_with).map_err(|e| Error::InvalidRequest(format!("label source: {e}")))?;
+    Ok((1..=len)
+        .map(|t| DecisionUnit {
+            episode: name.to_string(),
+            t,
+            made_with: made_with.clone(),
+            budgets: normalized(budgets),
+        })
+        .collect())
+}
+
+/// What a resumed label run keeps of an existing label file.
+#[derive(Debug, Clone)]
+pub struct LabelProgress {
+    /// The complete decisions, in file order.
+    pub done: Vec<DecisionUnit>,
+    /// Bytes those decisions span from the start of the file; anything after them (an unfinished
+    /// decision, a partial line) is to be cut.
+    pub len: u64,
+}
+
+/// Reads a label file an interrupted (or finished) `recall episode label` left: a decision is
+/// complete when its `decision` line is followed by as many label lines as it announces (`labels`).
+/// A trailing partial line and a trailing unfinished decision are tolerated (they are what a kill
+/// leaves); anything else a label run never writes (a line that is not JSON, labels outside their
+/// decision, a decision line without `labels` from an older recall) is an error naming the line.
+pub fn read_progress(path: &Path) -> Result<LabelProgress> {
+    let bytes = crate::limits::read_capped_bytes(path, crate::limits::MAX_DOCUMENT_BYTES)?;
+    let whole = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+    let text = std::str::from_utf8(&bytes[..whole])
+        .map_err(|e| Error::io(path, std::io::Error::new(std::io::ErrorKind::InvalidData, e)))?;
+    let mut progress = LabelProgress {
+        done: Vec::new(),
+        len: 0,
+    };
+    // The decision being read and how many of its label lines are still to come.
+    let mut open: Option<(DecisionUnit, u64)> = None;
+    let mut end = 0u64;
+    for (i, line) in text.split_inclusive('\n').enumerate() {
+        end += line.len() as u64;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let bad = |m: &str| {
+            Error::InvalidRequest(format!(
+                "{}:{}: {m} (cannot resume this file)",
+                path.display(),
+                i + 1
+            ))
+        };
+        let v: Value = serde_json::from_str(line).map_err(|e| bad(&format!("not JSON: {e}")))?;
+        let (mut unit, kind) = unit_of_line(&v).ok_or_else(|| bad("not a label line"))?;
+        if kind == "decision" {
+            if open.is_some() {
+                return Err(bad(
+                    "a decision line before the previous decision's labels are complete",
+                ));
+            }
+            let n = v.get("labels").and_then(Value::as_u64);
+            let budgets = v
+                .get("budgets")
+                .and_then(|b| serde_json::from_value(b.clone()).ok());
+            let (Some(n), Some(budgets)) = (n, budgets) else {
+                return Err(bad(
+                    "a decision line without `labels` and `budgets` (an older recall's file: label \
+                     again without --resume)",
+                ));
+            };
+            unit.budgets = budgets;
+            open = Some((unit, n));
+        } else {
+            let Some((_, left)) = open
+                .as_mut()
+                .filter(|(c, _)| (&c.episode, c.t) == (&unit.episode, unit.t))
+            else {
+                return Err(bad("a label line outside its decision"));
+            };
+            *left = left.saturating_sub(1);
+        }
+        if open.as_ref().is_some_and(|(_, left)| *left == 0) {
+            progress.done.extend(open.take().map(|(u, _)| u));
+            progress.len = end;
+        }
+    }
+    Ok(progress)
+}
+
+/// The decision a label line belongs to (its budgets not yet read) and its `kind`; `None` when a field
+/// is missing.
+fn unit_of_line(v: &Value) -> Option<(DecisionUnit, &str)> {
+    let unit = DecisionUnit {
+        episode: v.get("episode")?.as_str()?.to_string(),
+        t: v.get("t")?.as_u64()? as usize,
+        made_with: v.get("made_with")?.clone(),
+        budgets: Vec::new(),
+    };
+    Some((unit, v.get("kind")?.as_str()?))
+}
+
+/// How many of `plan`'s decisions a resumed run skips: the complete decisions of the file, which must
+/// be the plan's first ones with the same settings. Errors say what differs (`path` is the file).
+pub fn resume_point(path: &Path, done: &[DecisionUnit], plan: &[DecisionUnit]) -> Result<usize> {
+    let refuse = |m: String| {
+        Error::InvalidRequest(format!(
+            "cannot resume {}: {m}; label without --resume to start over",
+            path.display()
+        ))
+    };
+    if done.len() > plan.len() {
+        return Err(refuse(format!(
+            "it holds {} decisions, this run labels {} (another --episode list)",
+            done.len(),
+            plan.len()
+        )));
+    }
+    for (i, (have, want)) in done.iter().zip(plan).enumerate() {
+        if (&have.episode, have.t) != (&want.episode, want.t) {
+            return Err(refuse(format!(
+                "its decision #{} is episode {} t={}, this run's is episode {} t={} (another --episode list)",
+                i + 1,
+                have.episode,
+                have.t,
+                want.episode,
+                want.t
+            )));
+        }
+        if have.made_with != want.made_with {
+            return Err(refuse(format!(
+                "episode {} t={} was made with {}, this run with {}",
+                have.episode, have.t, have.made_with, want.made_with
+            )));
+        }
+        if have.budgets != want.budgets {
+            return Err(refuse(format!(
+                "episode {} t={} was labelled with --budgets {:?}, this run with {:?}",
+                have.episode, have.t, have.budgets, want.budgets
+            )));
+        }
+    }
+    Ok(done.len())
+}
+
+/// The hint for a line that is not JSON when it is a file's unterminated last line: what an
+/// interrupted writer leaves (recall's own label runs never publish one, see docs/FORMATS.md).
+fn partial_hint(text: &str, line: usize) -> &'static str {
+    if !text.ends_with('\n') && line + 1 == text.lines().count() {
+        " (a partial last line: an interrupted write? `recall episode label --resume` finishes a label run)"
+    } else {
+        ""
+    }
+}
+
+/// A decision of a label file: its episode and `t`.
+type DecisionKey = (String, usize);
+
+/// Refuses decisions with fewer (or more) label lines than their `decision` line announced: a file
+/// cut short inside a decision must not train as if that decision were complete.
+fn check_announced(
+    announced: &BTreeMap<DecisionKey, (usize, String)>,
+    sets: &BTreeMap<DecisionKey, Vec<(Vec<usize>, f64)>>,
+) -> Result<()> {
+    for (key, (n, at)) in announced {
+        let found = sets.get(key).map_or(0, Vec::len);
+        if found != *n {
+            return Err(Error::InvalidRequest(format!(
+                "{at}: the decision line of episode {} t={} announces {n} labels, the files hold {found} \
+                 (an interrupted run? `recall episode label --resume` completes it)",
+                key.0, key.1
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The episode name label lines record for `dir` (the directory as given).

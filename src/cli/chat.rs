@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use recall::backend::{select, Backend};
 use recall::tokenize::chat::{parse_messages, ChatMessage};
 use recall::with_backend;
@@ -59,7 +59,7 @@ pub struct ScoreArgs {
 }
 
 pub fn read_messages(path: &Path) -> Result<Vec<ChatMessage>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let text = recall::limits::read_capped(path, recall::limits::MAX_DOCUMENT_BYTES)?;
     Ok(parse_messages(&text, path)?)
 }
 

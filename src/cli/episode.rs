@@ -1,5 +1,6 @@
 //! `recall episode run|label|render`: CausalCache over recorded episodes.
 
+use std::io::Read;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
@@ -8,12 +9,15 @@ use recall::agent::causalcache::TwoPassConfig;
 use recall::agent::causalcache::{make_policy, run_episode, steps_table, PolicyChoice};
 use recall::agent::chart::{write_allocation_chart, AllocationRow};
 use recall::agent::eval::BootstrapConfig;
-use recall::agent::labels::{episode_name, label_episode, LabelSource};
+use recall::agent::labels::{
+    episode_name, label_episode, plan_decisions, read_progress, resume_point, DecisionUnit, LabelSource,
+};
 use recall::agent::offline::{
     evaluate_steps, oracle_allocations, summarise, write_margin_chart, Given, OracleConfig,
 };
+use recall::atomic::{write_atomic, JsonlWriter};
 use recall::backend::{select, Backend, BackendArgs};
-use recall::engine::Session;
+use recall::engine::{Pipeline, Session};
 use recall::memory::episode::Episode;
 use recall::memory::policy::AllocationPolicy;
 use recall::memory::protocol::{render_decision, Protocol};
@@ -154,9 +158,15 @@ pub struct LabelArgs {
     budgets: Vec<usize>,
     #[arg(long, value_parser = parse_protocol)]
     protocol: Option<Protocol>,
-    /// Output JSONL file.
+    /// Output JSONL file. Labels stream to `<out>.partial`, one whole decision at a time, which is
+    /// renamed to `<out>` once every decision is labelled: `<out>` is never a partial file.
     #[arg(long)]
     out: PathBuf,
+    /// Continue an interrupted run: keep the complete decisions of `<out>.partial` (or of `<out>`
+    /// when there is no partial file) and label only the rest. Refused when that file was made with
+    /// other settings (made_with, --episode list or --budgets).
+    #[arg(long)]
+    resume: bool,
 }
 
 #[derive(clap::Args)]
@@ -280,43 +290,119 @@ fn label<B: Backend>(be: B, a: &LabelArgs) -> Result<()> {
         .iter()
         .map(|dir| Ok((episode_name(dir), Episode::load(dir)?)))
         .collect::<Result<Vec<_>>>()?;
+    let sources: Vec<(Protocol, LabelSource)> =
+        episodes.iter().map(|(_, ep)| label_source(a, &p, ep)).collect();
+    let mut plan = Vec::new();
+    for ((name, ep), (_, source)) in episodes.iter().zip(&sources) {
+        plan.extend(plan_decisions(name, ep.len(), &a.budgets, source)?);
+    }
+    let (mut out, mut skip) = open_label_output(a, &plan)?;
+    let resumed = skip;
     let mut engine = p.engine(a.model.engine_config())?;
-    let mut lines = String::new();
     let mut count = 0;
-    for (name, ep) in &episodes {
-        let protocol = a.protocol.unwrap_or(Protocol::for_platform(ep.platform));
-        let made_with = LabelSource {
-            model: a.model.model.display().to_string(),
-            adapter: a.model.adapter.as_ref().map(|d| d.display().to_string()),
-            adapter_mode: a.model.request_adapter().name(),
-            adapter_layout: p.model.text.adapter().map(|ad| ad.layout()),
-            protocol: protocol.name(),
-            min_pixels: p.preprocess.min_pixels,
-            max_pixels: p.preprocess.max_pixels,
-            recall: env!("CARGO_PKG_VERSION"),
-        };
+    for ((name, ep), (protocol, made_with)) in episodes.iter().zip(&sources) {
+        let done_here = skip.min(ep.len());
+        skip -= done_here;
+        // Each decision is one append, synced before the next is scored: a kill loses at most the
+        // decision being labelled.
+        let mut emit = |group: String| out.append(&group).and_then(|()| out.sync());
         count += label_episode(
             &mut p.session(&mut engine),
             ep,
             name,
-            protocol,
+            *protocol,
             &a.budgets,
             a.model.request_adapter(),
-            &made_with,
-            &mut lines,
+            made_with,
+            done_here + 1,
+            &mut emit,
         )?;
     }
-    write_file(&a.out, lines)?;
+    let partial = out.path().to_path_buf();
+    out.finish_into(&a.out)
+        .with_context(|| format!("publishing {} as {}", partial.display(), a.out.display()))?;
     let stats = engine.kv_stats();
+    let kept = if a.resume {
+        format!("{resumed} of {} decisions were already labelled; ", plan.len())
+    } else {
+        String::new()
+    };
     eprintln!(
-        "wrote {} labels of {} episode(s) to {} ({} tokens reused from the prefix cache, {} computed)",
-        count,
+        "wrote {count} labels of {} episode(s) to {} ({kept}{} tokens reused from the prefix cache, {} computed)",
         episodes.len(),
         a.out.display(),
         stats.tokens_reused,
         stats.tokens_computed
     );
     Ok(())
+}
+
+/// The protocol of `ep` and what its labels are made with.
+fn label_source<B: Backend>(a: &LabelArgs, p: &Pipeline<B>, ep: &Episode) -> (Protocol, LabelSource) {
+    let protocol = a.protocol.unwrap_or(Protocol::for_platform(ep.platform));
+    let source = LabelSource {
+        model: a.model.model.display().to_string(),
+        adapter: a.model.adapter.as_ref().map(|d| d.display().to_string()),
+        adapter_mode: a.model.request_adapter().name(),
+        adapter_layout: p.model.text.adapter().map(|ad| ad.layout()),
+        protocol: protocol.name(),
+        min_pixels: p.preprocess.min_pixels,
+        max_pixels: p.preprocess.max_pixels,
+        recall: env!("CARGO_PKG_VERSION"),
+    };
+    (protocol, source)
+}
+
+/// `<out>.partial`: where a label run streams before its output is complete.
+fn partial_path(out: &std::path::Path) -> PathBuf {
+    let mut name = out.as_os_str().to_owned();
+    name.push(".partial");
+    PathBuf::from(name)
+}
+
+/// Opens the partial file the run appends to and says how many of `plan`'s decisions it already
+/// holds. Without --resume it starts empty. With --resume it continues `<out>.partial`, else a copy
+/// of `<out>`'s complete decisions; a trailing unfinished decision is cut first. Every check runs
+/// before any file is changed, so a refused resume leaves both files as they were.
+fn open_label_output(a: &LabelArgs, plan: &[DecisionUnit]) -> Result<(JsonlWriter, usize)> {
+    let partial = partial_path(&a.out);
+    if !a.resume {
+        if partial.exists() {
+            tracing::warn!(
+                "starting over: discarding {} (pass --resume to continue it)",
+                partial.display()
+            );
+        }
+        return Ok((JsonlWriter::create(&partial)?, 0));
+    }
+    let from = [&partial, &a.out].into_iter().find(|p| p.exists());
+    let Some(from) = from else {
+        tracing::warn!(
+            "--resume: neither {} nor {} exists; starting from the first decision",
+            partial.display(),
+            a.out.display()
+        );
+        return Ok((JsonlWriter::create(&partial)?, 0));
+    };
+    let progress = read_progress(from)?;
+    let done = resume_point(from, &progress.done, plan)?;
+    let size = std::fs::metadata(from)
+        .with_context(|| format!("inspecting {}", from.display()))?
+        .len();
+    if from != &partial || progress.len < size {
+        // Keep exactly the complete decisions; written atomically so that a kill now loses nothing.
+        let mut kept = Vec::new();
+        std::fs::File::open(from)
+            .and_then(|f| f.take(progress.len).read_to_end(&mut kept))
+            .with_context(|| format!("reading {}", from.display()))?;
+        write_atomic(&partial, &kept)?;
+    }
+    eprintln!(
+        "resuming from {}: {done} of {} decisions already labelled",
+        from.display(),
+        plan.len()
+    );
+    Ok((JsonlWriter::resume(&partial)?, done))
 }
 
 fn render(a: &RenderArgs) -> Result<()> {

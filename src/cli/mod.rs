@@ -160,7 +160,8 @@ pub fn load<B: Backend>(be: B, args: &ModelArgs) -> Result<Pipeline<B>> {
     Ok(p)
 }
 
-/// Writes `text` to `path`, naming the file on error.
+/// Writes `text` to `path` atomically ([`recall::atomic::write_atomic`]), naming the file on error.
 pub fn write_file(path: &Path, text: impl AsRef<[u8]>) -> Result<()> {
-    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+    // Atomic (temporary file + rename): a killed run leaves the old file or the new one, never half.
+    recall::atomic::write_atomic(path, text).with_context(|| format!("writing {}", path.display()))
 }

@@ -143,7 +143,7 @@ pub fn eval_compare(argv: &[String]) -> Result<()> {
     use clap::Parser;
     let a = CompareCli::parse_from(argv[1..].iter());
     let read = |p: &PathBuf| -> Result<EvalReport> {
-        let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+        let text = recall::limits::read_capped(p, recall::limits::MAX_DOCUMENT_BYTES)?;
         serde_json::from_str(&text)
             .with_context(|| format!("{}: not a `recall eval --json` report", p.display()))
     };

@@ -489,7 +489,7 @@ pub fn write_logits(path: &Path, r: &PromptLogits) -> Result<()> {
         ),
     ];
     let bytes = safetensors::serialize(tensors, &None).map_err(bad)?;
-    std::fs::write(path, bytes).map_err(|e| Error::io(path, e))
+    crate::atomic::write_atomic(path, bytes)
 }
 
 /// A key for an image source that changes when the file does: the path with its size and

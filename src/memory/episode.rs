@@ -129,7 +129,7 @@ impl Episode {
     /// ```
     pub fn load(dir: &Path) -> Result<Episode> {
         let path = dir.join(EPISODE_FILE);
-        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        let text = crate::limits::read_capped(&path, crate::limits::MAX_DOCUMENT_BYTES)?;
         Self::from_json(&text, dir)
     }
 

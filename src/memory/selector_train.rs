@@ -29,7 +29,6 @@
 //! `tests/selector_train.rs` checks loss and gradients against it.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::Write;
 use std::path::Path;
 
 use rand_chacha::rand_core::{RngCore, SeedableRng};
@@ -642,8 +641,7 @@ fn write_f32_safetensors(
             bytes.extend_from_slice(&v.to_le_bytes());
         }
     }
-    let mut f = std::fs::File::create(path).map_err(|e| Error::io(path, e))?;
-    f.write_all(&bytes).map_err(|e| Error::io(path, e))
+    crate::atomic::write_atomic(path, bytes)
 }
 
 /// Feature means and standard deviations (population) of `samples`; a constant feature gets std 1.

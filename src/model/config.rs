@@ -151,11 +151,11 @@ impl ModelConfig {
     /// ```
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        let text = crate::limits::read_capped(&path, crate::limits::MAX_CONFIG_BYTES)?;
         let mut cfg = Self::from_json(&text, &path)?;
         let gen_path = dir.join("generation_config.json");
         if gen_path.exists() {
-            let gen = std::fs::read_to_string(&gen_path).map_err(|e| Error::io(&gen_path, e))?;
+            let gen = crate::limits::read_capped(&gen_path, crate::limits::MAX_CONFIG_BYTES)?;
             let root: Value = serde_json::from_str(&gen).map_err(|e| Error::json(&gen_path, "", e))?;
             let doc = Doc {
                 path: &gen_path,

@@ -167,7 +167,7 @@ impl<B: Backend> Adapter<B> {
 
     fn load_peft(be: &B, dir: &Path, cfg: &TextConfig) -> Result<Self> {
         let cfg_path = dir.join("adapter_config.json");
-        let text = std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?;
+        let text = crate::limits::read_capped(&cfg_path, crate::limits::MAX_CONFIG_BYTES)?;
         let doc: Value = serde_json::from_str(&text).map_err(|e| Error::json(&cfg_path, "", e))?;
         let field = |k: &str| doc.get(k).filter(|v| !v.is_null());
         let rank = field("r")

@@ -14,6 +14,7 @@ use memmap2::Mmap;
 use serde_json::Value;
 
 use crate::error::{Error, Result};
+use crate::limits;
 
 /// Element type of a stored tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -251,7 +252,7 @@ impl Checkpoint {
     }
 
     fn open_index(index: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(index).map_err(|e| Error::io(index, e))?;
+        let text = limits::read_capped(index, limits::MAX_CONFIG_BYTES)?;
         let doc: Value = serde_json::from_str(&text).map_err(|e| Error::json(index, "", e))?;
         let map = doc
             .get("weight_map")
@@ -263,7 +264,7 @@ impl Checkpoint {
             let file = file
                 .as_str()
                 .ok_or_else(|| Error::json(index, format!("weight_map.{name}"), "not a string"))?;
-            let path = dir.join(file);
+            let path = dir.join(shard_file_name(index, name, file)?);
             if !files.contains(&path) {
                 files.push(path);
             }
@@ -367,6 +368,26 @@ impl Checkpoint {
     }
 }
 
+/// `file`, the shard that the index at `index` names for tensor `name`, if it is a plain relative path
+/// that stays inside the model directory: an absolute path or a `..` component would let an index
+/// read any file on the machine. (Symlinks inside the directory are followed: the Hugging Face cache
+/// links every shard to a blob outside the snapshot directory.)
+fn shard_file_name<'a>(index: &Path, name: &str, file: &'a str) -> Result<&'a Path> {
+    use std::path::Component;
+    let path = Path::new(file);
+    let plain = path
+        .components()
+        .all(|c| matches!(c, Component::Normal(_) | Component::CurDir));
+    if !plain || !matches!(path.components().next_back(), Some(Component::Normal(_))) {
+        return Err(Error::json(
+            index,
+            format!("weight_map.{name}"),
+            format!("shard file `{file}` is not a relative path inside the model directory"),
+        ));
+    }
+    Ok(path)
+}
+
 /// Maps one safetensors file and validates its header against the file size; returns its tensors and
 /// the string entries of its `__metadata__`.
 fn parse_file(path: &Path) -> Result<(Vec<TensorRef>, HashMap<String, String>)> {
@@ -384,16 +405,22 @@ fn parse_file(path: &Path) -> Result<(Vec<TensorRef>, HashMap<String, String>)> 
             mmap.len()
         )));
     }
-    let header_len = u64::from_le_bytes(mmap[..8].try_into().expect("8 bytes")) as usize;
-    let data_start = 8usize
-        .checked_add(header_len)
-        .filter(|&end| end <= mmap.len())
-        .ok_or_else(|| {
-            bad(format!(
-                "header length {header_len} exceeds the file size {}",
-                mmap.len()
-            ))
-        })?;
+    let header_len = u64::from_le_bytes(mmap[..8].try_into().expect("8 bytes"));
+    if header_len > limits::MAX_SAFETENSORS_HEADER_BYTES {
+        return Err(Error::LimitExceeded {
+            what: "safetensors header length".into(),
+            path: path.to_path_buf(),
+            value: header_len,
+            cap: limits::MAX_SAFETENSORS_HEADER_BYTES,
+        });
+    }
+    let data_start = 8 + header_len as usize;
+    if data_start > mmap.len() {
+        return Err(bad(format!(
+            "header length {header_len} exceeds the file size {}",
+            mmap.len()
+        )));
+    }
     let header: BTreeMap<String, Value> = serde_json::from_slice(&mmap[8..data_start])
         .map_err(|e| bad(format!("header is not valid JSON: {e}")))?;
     let data_len = mmap.len() - data_start;
@@ -442,7 +469,15 @@ fn parse_file(path: &Path) -> Result<(Vec<TensorRef>, HashMap<String, String>)> 
                 "tensor `{name}` spans bytes {begin}..{end} but the data section has {data_len} bytes (truncated file?)"
             )));
         }
-        let expected = shape.iter().product::<usize>() * dtype.size();
+        // Checked: a hostile shape such as [2^40, 2^40] must not wrap around to the stored size.
+        let expected = shape
+            .iter()
+            .try_fold(dtype.size(), |n, &d| n.checked_mul(d))
+            .ok_or_else(|| {
+                bad(format!(
+                    "tensor `{name}` has a shape {shape:?} too large to address"
+                ))
+            })?;
         if end - begin != expected {
             return Err(bad(format!(
                 "tensor `{name}` has {} bytes, its shape {shape:?} needs {expected}",

@@ -230,7 +230,7 @@ impl ScopeMemConfig {
 
     /// Reads and validates a `scopemem_config.json`; errors name the file and the field.
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = crate::limits::read_capped(path, crate::limits::MAX_CONFIG_BYTES)?;
         let doc: Value = serde_json::from_str(&text).map_err(|e| Error::json(path, "", e))?;
         Self::from_json(path, &doc)
     }

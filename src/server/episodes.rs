@@ -754,7 +754,7 @@ impl EpisodeState {
         self.persist()
     }
 
-    /// Writes `episode.json` (through a temporary file, so a reader never sees half of it).
+    /// Writes `episode.json` atomically (temporary file, fsync, rename), so a reader never sees half of it.
     fn persist(&self) -> crate::Result<()> {
         let steps: Vec<Value> = self
             .episode
@@ -777,11 +777,9 @@ impl EpisodeState {
             "meta": {"served_by": "recall serve", "id": self.id, "config": self.config.to_json()},
         });
         let path = self.episode.dir.join(EPISODE_FILE);
-        let tmp = self.episode.dir.join(format!("{EPISODE_FILE}.tmp"));
         let text =
             serde_json::to_string_pretty(&doc).map_err(|e| crate::Error::InvalidRequest(e.to_string()))?;
-        std::fs::write(&tmp, text).map_err(|e| crate::Error::io(&tmp, e))?;
-        std::fs::rename(&tmp, &path).map_err(|e| crate::Error::io(&path, e))
+        crate::atomic::write_atomic(&path, text)
     }
 }
 

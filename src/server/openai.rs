@@ -75,7 +75,8 @@ impl SamplingDefaults {
     /// From a model directory's `generation_config.json`: `do_sample: false` means greedy; missing
     /// fields take OpenAI's defaults.
     pub fn from_model_dir(dir: &std::path::Path) -> Self {
-        let v: Value = std::fs::read_to_string(dir.join("generation_config.json"))
+        let path = dir.join("generation_config.json");
+        let v: Value = crate::limits::read_capped(&path, crate::limits::MAX_CONFIG_BYTES)
             .ok()
             .and_then(|t| serde_json::from_str(&t).ok())
             .unwrap_or(Value::Null);

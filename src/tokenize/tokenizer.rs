@@ -52,7 +52,7 @@ impl Tokenizer {
     /// A missing or unreadable file gives [`Error::Io`]; a file that is not a valid tokenizer gives
     /// [`Error::Tokenizer`]. Both name `path`.
     pub fn from_file(path: &Path) -> Result<Self> {
-        let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+        let bytes = crate::limits::read_capped_bytes(path, crate::limits::MAX_TOKENIZER_BYTES)?;
         // The tokenizers crate reports malformed files as errors; catch a panic from an unusual corner of
         // its deserialisation too, so that a bad file can never take the process down.
         let parsed = std::panic::catch_unwind(|| tokenizers::Tokenizer::from_bytes(&bytes));

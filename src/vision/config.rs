@@ -133,7 +133,7 @@ impl PreprocessConfig {
     /// ```
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = crate::limits::read_capped(path, crate::limits::MAX_CONFIG_BYTES)?;
         Self::from_json_str(&text, path)
     }
 

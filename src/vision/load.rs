@@ -119,7 +119,7 @@ impl ImageSource {
     pub fn load(&self) -> Result<RgbImage> {
         match self {
             ImageSource::Path(p) => {
-                let data = std::fs::read(p).map_err(|e| Error::io(p, e))?;
+                let data = crate::limits::read_capped_bytes(p, crate::limits::MAX_IMAGE_FILE_BYTES)?;
                 decode_image_bytes(&data, &p.display().to_string())
             }
             ImageSource::Bytes { name, data } => decode_image_bytes(data, name),
@@ -211,8 +211,9 @@ pub fn decode_image_bytes(data: &[u8], name: &str) -> Result<RgbImage> {
     decode_image_limited(data, name, DEFAULT_MAX_PIXELS)
 }
 
-/// The default cap on an image's pixels: PIL's decompression-bomb limit (`2 · MAX_IMAGE_PIXELS`).
-pub const DEFAULT_MAX_PIXELS: u64 = 178_956_970;
+/// The default cap on an image's pixels: PIL's decompression-bomb limit (twice
+/// `PIL.Image.MAX_IMAGE_PIXELS`); see [`crate::limits::MAX_IMAGE_PIXELS`].
+pub const DEFAULT_MAX_PIXELS: u64 = crate::limits::MAX_IMAGE_PIXELS;
 
 /// Like [`decode_image_bytes`], but refuses an image of more than `max_pixels` pixels after reading
 /// only its header: a small file that declares huge dimensions (a decompression bomb) is rejected
