@@ -136,6 +136,37 @@ fn run(target: &str, data: &[u8]) -> Result<(), String> {
                 .map(drop)
                 .map_err(|e| format!("{e:?}"))
         }
+        "adapter" => {
+            let Some((&pick, rest)) = data.split_first() else {
+                return Err("empty".into());
+            };
+            let cfg =
+                recall::model::ModelConfig::from_dir(&root().join("tests/fixtures/tiny-qwen3-vl")).unwrap();
+            let peft = root().join("tests/fixtures/hgkv-peft");
+            let (config, weights) = if pick % 2 == 0 {
+                (
+                    rest.to_vec(),
+                    std::fs::read(peft.join("adapter_model.safetensors")).unwrap(),
+                )
+            } else {
+                (
+                    std::fs::read(peft.join("adapter_config.json")).unwrap(),
+                    rest.to_vec(),
+                )
+            };
+            let (dir, _) = in_file("adapter_config.json", &config);
+            std::fs::write(dir.path().join("adapter_model.safetensors"), weights).unwrap();
+            let be = recall::backend::cpu::CpuBackend;
+            recall::model::hgkv::Adapter::load(&be, dir.path(), &cfg.text)
+                .map(drop)
+                .map_err(err)
+        }
+        "selector_file" => {
+            let (_dir, path) = in_file("selector.safetensors", data);
+            recall::memory::selector::MarginalScorer::load(&path)
+                .map(drop)
+                .map_err(err)
+        }
         other => panic!("fuzz/corpus/{other}: no such fuzz target in this test"),
     }
 }
@@ -149,7 +180,7 @@ fn targets() -> Vec<String> {
         .map(|n| n.trim_end_matches('"').to_string())
         .filter(|n| n != "recall-fuzz")
         .collect();
-    assert!(names.len() >= 14, "{names:?}");
+    assert!(names.len() >= 16, "{names:?}");
     names
 }
 

@@ -74,6 +74,9 @@ def seeds() -> dict:
                                                                      "\"text\": \"hi\"").encode(),
                    "desktop": ("Action: Scroll down.\n<tool_call>\n{\"name\": \"computer_use\", \"arguments\": "
                                "{\"action\": \"scroll\", \"pixels\": -300}}\n</tool_call>").encode()},
+        "adapter": {"config": b"\x00" + read("hgkv-peft", "adapter_config.json"),
+                    "weights": b"\x01" + read("hgkv-peft", "adapter_model.safetensors")},
+        "selector_file": {"converted": read("selector", "converted.safetensors")},
         "chat_request": {
             "minimal": json.dumps({"model": "recall", "messages": [{"role": "user", "content": "hi"}]}).encode(),
             "sampling": json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
