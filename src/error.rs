@@ -88,6 +88,12 @@ pub enum Error {
         cap: u64,
     },
 
+    /// An op was called with operands whose shapes do not fit together (`[3, 4] · [5, 4]ᵀ`, a row
+    /// index past the end). User input is checked before it reaches an op, so this is a bug in the
+    /// caller (a model or the engine), not a bad request: the server answers 500.
+    #[error("shape mismatch in {op}: {message}")]
+    Shape { op: String, message: String },
+
     /// A request is invalid (empty prompt, token id out of range, ...).
     #[error("invalid request: {0}")]
     InvalidRequest(String),

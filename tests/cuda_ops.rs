@@ -182,6 +182,28 @@ fn tensor_plumbing_matches_cpu() {
 }
 
 #[test]
+fn split_cols_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut rng = fastrand::Rng::with_seed(12);
+    for (rows, cols, parts) in [(1, 3, 3), (7, 96, 3), (33, 40, 2)] {
+        let a = rand_pair(&g, &mut rng, rows, cols, 3.0);
+        let gs = g.split_cols(g.rows(&a.gpu, 0, rows).unwrap(), parts).unwrap();
+        let cs = CpuBackend.split_cols(a.cpu.clone(), parts).unwrap();
+        for (j, (gp, cp)) in gs.iter().zip(&cs).enumerate() {
+            check(
+                &g,
+                "split_cols",
+                &format!("[{rows}, {cols}] part {j}/{parts}"),
+                gp,
+                cp,
+                0.0,
+            );
+        }
+    }
+    assert!(g.split_cols(g.zeros(2, 5).unwrap(), 3).is_err());
+}
+
+#[test]
 fn embeddings_match_cpu() {
     let Some(g) = gpu() else { return };
     let mut rng = fastrand::Rng::with_seed(3);

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Converts the CausalCache reference trainer's `marginal_scorer.pt` into the safetensors scorer recall
-loads with `MarginalScorer::load` (layout in src/memory/selector.rs).
+loads with `MarginalScorer::load` (layout in src/memory/selector/scorer.rs).
 
     .venv-tools/bin/python tools/convert_selector_pt.py marginal_scorer.pt selector.safetensors
 

@@ -42,7 +42,7 @@ def parse_grid(s):
 
 
 def build_layout(a, cfg):
-    """The pass-1 (Recent-B) prompt of recall's bench (src/bench.rs, Layouts::step_prompt), same
+    """The pass-1 (Recent-B) prompt of recall's bench (src/bench/layouts.rs), same
     lengths, other ids: a list of ("text", ids) and ("image", step, grid)."""
     import random
 

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::agent::action::{equivalent, parse_response, Action, ActionBucket as ParsedBucket};
+use crate::action::{equivalent, parse_response, Action, ActionBucket as ParsedBucket};
 use crate::engine::{GenerateParams, Generation, ImageHash, Prompt, RequestOptions, Session};
 use crate::error::{Error, Result};
 use crate::memory::episode::{Decision, Episode};

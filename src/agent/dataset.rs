@@ -26,7 +26,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
-use crate::agent::action::{parse_response, parse_tool_call, Action, ParseError, Platform, TOOL_CALL_OPEN};
+use crate::action::{parse_response, parse_tool_call, Action, ParseError, Platform, TOOL_CALL_OPEN};
 use crate::error::{Error, Result};
 
 /// The fields a step line may carry.
@@ -168,7 +168,7 @@ impl StepDataset {
 /// tool-call object or the bare arguments object (`{"action": …}`, given the platform's tool name).
 ///
 /// ```
-/// use recall::agent::action::Platform;
+/// use recall::action::Platform;
 /// use recall::agent::dataset::parse_reference;
 /// let a = parse_reference(r#"{"action": "click", "coordinate": [1, 2]}"#, Platform::Mobile).unwrap();
 /// assert_eq!(a.name(), "click");
@@ -195,7 +195,7 @@ fn wrap_arguments(value: Value, platform: Platform) -> Value {
 /// Whether `action` takes a target box: a single-point click (`click`, `long_press`, desktop
 /// `left_click`, `right_click`, `middle_click`, `double_click`).
 pub fn is_click_like(action: &Action) -> bool {
-    use crate::agent::action::ActionArgs as A;
+    use crate::action::ActionArgs as A;
     matches!(
         action.args,
         A::Click { .. }
@@ -218,6 +218,61 @@ fn parse_step(
     line: usize,
     base: &Path,
 ) -> std::result::Result<(EvalStep, Platform), FieldError> {
+    check_step_fields(obj)?;
+    let episode = match required(obj, "episode")? {
+        Value::String(s) if !s.is_empty() => s.clone(),
+        Value::Number(n) if n.is_u64() => n.to_string(),
+        _ => {
+            return Err(field_err(
+                "episode",
+                "must be a non-empty string or a non-negative integer",
+            ))
+        }
+    };
+    let step = required(obj, "step")?
+        .as_u64()
+        .and_then(|s| u32::try_from(s).ok())
+        .ok_or_else(|| field_err("step", "must be a non-negative integer (0-based)"))?;
+    let subset = match obj.get("subset") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
+        Some(_) => return Err(field_err("subset", "must be a non-empty string or null")),
+    };
+    let instruction = string_field(obj, "instruction")?;
+    let platform_name = string_field(obj, "platform")?;
+    let platform = Platform::from_name(&platform_name).ok_or_else(|| {
+        field_err(
+            "platform",
+            format!("`{platform_name}` is not `mobile` or `desktop`"),
+        )
+    })?;
+    let screenshots = parse_screenshots(obj, step, base)?;
+    let history = parse_history(obj, step)?;
+    let reference = reference_response(obj, platform)?;
+    let action = parse_reference(&reference, platform)
+        .map_err(|e| field_err("reference", format!("does not parse as a {platform} action: {e}")))?;
+
+    let target_box = match obj.get("target_box") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(parse_box(v, &action)?),
+    };
+    let step = EvalStep {
+        line,
+        episode,
+        step,
+        subset,
+        instruction,
+        screenshots,
+        history,
+        reference,
+        target_box,
+        meta: obj.get("meta").cloned().unwrap_or(Value::Null),
+    };
+    Ok((step, platform))
+}
+
+/// Refuses the first (in sorted order) field outside [`STEP_FIELDS`].
+fn check_step_fields(obj: &Map<String, Value>) -> std::result::Result<(), FieldError> {
     let mut unknown: Vec<&String> = obj
         .keys()
         .filter(|k| !STEP_FIELDS.contains(&k.as_str()))
@@ -229,43 +284,27 @@ fn parse_step(
             format!("unknown field (expected one of {})", STEP_FIELDS.join(", ")),
         ));
     }
-    let required = |name: &str| obj.get(name).ok_or_else(|| field_err(name, "missing"));
-    let string = |name: &str| -> std::result::Result<String, FieldError> {
-        required(name)?
-            .as_str()
-            .map(str::to_string)
-            .ok_or_else(|| field_err(name, "must be a string"))
-    };
+    Ok(())
+}
 
-    let episode = match required("episode")? {
-        Value::String(s) if !s.is_empty() => s.clone(),
-        Value::Number(n) if n.is_u64() => n.to_string(),
-        _ => {
-            return Err(field_err(
-                "episode",
-                "must be a non-empty string or a non-negative integer",
-            ))
-        }
-    };
-    let step = required("step")?
-        .as_u64()
-        .and_then(|s| u32::try_from(s).ok())
-        .ok_or_else(|| field_err("step", "must be a non-negative integer (0-based)"))?;
-    let subset = match obj.get("subset") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
-        Some(_) => return Err(field_err("subset", "must be a non-empty string or null")),
-    };
-    let instruction = string("instruction")?;
-    let platform_name = string("platform")?;
-    let platform = Platform::from_name(&platform_name).ok_or_else(|| {
-        field_err(
-            "platform",
-            format!("`{platform_name}` is not `mobile` or `desktop`"),
-        )
-    })?;
+fn required<'a>(obj: &'a Map<String, Value>, name: &str) -> std::result::Result<&'a Value, FieldError> {
+    obj.get(name).ok_or_else(|| field_err(name, "missing"))
+}
 
-    let shots = required("screenshots")?
+fn string_field(obj: &Map<String, Value>, name: &str) -> std::result::Result<String, FieldError> {
+    required(obj, name)?
+        .as_str()
+        .map(str::to_string)
+        .ok_or_else(|| field_err(name, "must be a string"))
+}
+
+/// `screenshots`: 1 to `step + 1` non-empty paths, relative to `base`; the current screenshot last.
+fn parse_screenshots(
+    obj: &Map<String, Value>,
+    step: u32,
+    base: &Path,
+) -> std::result::Result<Vec<PathBuf>, FieldError> {
+    let shots = required(obj, "screenshots")?
         .as_array()
         .ok_or_else(|| field_err("screenshots", "must be a list of paths"))?;
     if shots.is_empty() {
@@ -292,8 +331,12 @@ fn parse_step(
             .ok_or_else(|| field_err(&format!("screenshots[{i}]"), "must be a non-empty string"))?;
         screenshots.push(base.join(s));
     }
+    Ok(screenshots)
+}
 
-    let hist = required("history")?
+/// `history`: exactly `step` strings, one per completed step.
+fn parse_history(obj: &Map<String, Value>, step: u32) -> std::result::Result<Vec<String>, FieldError> {
+    let hist = required(obj, "history")?
         .as_array()
         .ok_or_else(|| field_err("history", "must be a list of strings"))?;
     if hist.len() != step as usize {
@@ -305,49 +348,32 @@ fn parse_step(
             ),
         ));
     }
-    let history = hist
-        .iter()
+    hist.iter()
         .enumerate()
         .map(|(i, h)| {
             h.as_str()
                 .map(str::to_string)
                 .ok_or_else(|| field_err(&format!("history[{i}]"), "must be a string"))
         })
-        .collect::<std::result::Result<Vec<_>, _>>()?;
+        .collect::<std::result::Result<Vec<_>, _>>()
+}
 
-    let reference = match required("reference")? {
-        Value::String(s) => s.clone(),
+/// `reference` as a response: a string as is, a tool-call object wrapped in its tags.
+fn reference_response(
+    obj: &Map<String, Value>,
+    platform: Platform,
+) -> std::result::Result<String, FieldError> {
+    match required(obj, "reference")? {
+        Value::String(s) => Ok(s.clone()),
         v @ Value::Object(_) => {
             let call = wrap_arguments(v.clone(), platform);
-            format!("{TOOL_CALL_OPEN}\n{call}\n</tool_call>")
+            Ok(format!("{TOOL_CALL_OPEN}\n{call}\n</tool_call>"))
         }
-        _ => {
-            return Err(field_err(
-                "reference",
-                "must be a response string or a tool-call object",
-            ))
-        }
-    };
-    let action = parse_reference(&reference, platform)
-        .map_err(|e| field_err("reference", format!("does not parse as a {platform} action: {e}")))?;
-
-    let target_box = match obj.get("target_box") {
-        None | Some(Value::Null) => None,
-        Some(v) => Some(parse_box(v, &action)?),
-    };
-    let step = EvalStep {
-        line,
-        episode,
-        step,
-        subset,
-        instruction,
-        screenshots,
-        history,
-        reference,
-        target_box,
-        meta: obj.get("meta").cloned().unwrap_or(Value::Null),
-    };
-    Ok((step, platform))
+        _ => Err(field_err(
+            "reference",
+            "must be a response string or a tool-call object",
+        )),
+    }
 }
 
 fn parse_box(v: &Value, reference: &Action) -> std::result::Result<[u32; 4], FieldError> {

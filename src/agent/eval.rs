@@ -3,7 +3,7 @@
 //! Every step has a reference action, a first opinion a0 and a second opinion a1 (ScopeMem: the actor
 //! without and with the prefix). Definitions (`docs/EVAL.md`):
 //!
-//! * **EM** (full action): the output parses ([`parse_response`]) and is [`equivalent`] to the reference,
+//! * **EM** (full action): the output parses ([`parse_response`]) and is [`equivalent`](crate::action::equivalent) to the reference,
 //!   or — when the step has a `target_box` and the reference is click-like ([`is_click_like`]) — has the
 //!   reference's action name and its point lies inside the box (inclusive).
 //! * **TM** (action type): the output parses and its canonical action name equals the reference's
@@ -24,8 +24,9 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
-use crate::agent::action::{equivalent, parse_response, Action, Platform};
+use crate::action::{parse_response, Action, Platform};
 use crate::agent::dataset::{is_click_like, parse_reference};
+pub use crate::agent::scorers::exact_match;
 use crate::agent::scorers::{ScoreContext, Scorer};
 use crate::error::{Error, Result};
 
@@ -295,28 +296,6 @@ pub struct StepRow {
     pub step: u32,
     pub subset: Option<String>,
     pub verdict: StepVerdict,
-}
-
-/// Full-action match of `candidate` against `reference` with an optional target box (module docs).
-pub fn exact_match(
-    reference: &Action,
-    candidate: &Action,
-    target_box: Option<[u32; 4]>,
-    platform: Platform,
-) -> bool {
-    if equivalent(reference, candidate, platform) {
-        return true;
-    }
-    match (target_box, candidate.grid_point()) {
-        (Some([x0, y0, x1, y1]), Some(p)) => {
-            is_click_like(reference)
-                && candidate.platform == platform
-                && candidate.name() == reference.name()
-                && (x0..=x1).contains(&p.x)
-                && (y0..=y1).contains(&p.y)
-        }
-        _ => false,
-    }
 }
 
 /// Action-type match: equal canonical names under the same platform.

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::agent::action::parse_response;
+use crate::action::parse_response;
 use crate::agent::causalcache::{context, prompt_for, EpisodeMemo};
 use crate::engine::Session;
 use crate::error::{Error, Result};
@@ -360,13 +360,7 @@ pub struct LabelSet {
 /// first file's are an error unless `allow_mixed` (labels of different policies measure different
 /// things). Errors name the file, the line and the field.
 pub fn read_labels(paths: &[PathBuf], allow_mixed: bool) -> Result<LabelSet> {
-    let mut contexts: BTreeMap<(String, usize), DecisionContext> = BTreeMap::new();
-    type Key = (String, usize);
-    let mut sets: BTreeMap<Key, Vec<(Vec<usize>, f64)>> = BTreeMap::new();
-    let mut order: Vec<(String, usize)> = Vec::new();
-    let mut made_with: Option<(Value, String)> = None;
-    let mut labels = 0;
-    let mut announced: BTreeMap<Key, (usize, String)> = BTreeMap::new();
+    let mut reader = LabelReader::new(allow_mixed);
     for path in paths {
         let text = crate::limits::read_capped(path, crate::limits::MAX_DOCUMENT_BYTES)?;
         for (i, line) in text.lines().enumerate() {
@@ -374,97 +368,154 @@ pub fn read_labels(paths: &[PathBuf], allow_mixed: bool) -> Result<LabelSet> {
                 continue;
             }
             let at = format!("{}:{}", path.display(), i + 1);
-            let bad = |m: String| Error::InvalidRequest(format!("{at}: {m}"));
-            let v: Value = serde_json::from_str(line)
-                .map_err(|e| bad(format!("not JSON: {e}{}", partial_hint(&text, i))))?;
-            let field = |name: &str| v.get(name).ok_or_else(|| bad(format!("no field `{name}`")));
-            let episode = field("episode")
-                .map_err(|e| {
-                    Error::InvalidRequest(format!(
-                        "{e} (a label file from an older recall: label the episode again with `recall episode label`)"
-                    ))
-                })?
-                .as_str()
-                .ok_or_else(|| bad("field `episode`: expected a string".into()))?
-                .to_string();
-            let t = field("t")?
-                .as_u64()
-                .filter(|&t| t >= 1)
-                .ok_or_else(|| bad("field `t`: expected an integer >= 1".into()))?
-                as usize;
-            let mw = field("made_with")?.clone();
-            match &made_with {
-                None => made_with = Some((mw, at.clone())),
-                Some((first, first_at)) if *first != mw && !allow_mixed => {
-                    return Err(bad(format!(
-                        "field `made_with` differs from {first_at}'s ({mw} vs {first}); labels made with \
-                         different models, adapters or pixel budgets measure different policies \
-                         (--allow-mixed to train on them anyway)"
-                    )))
-                }
-                Some(_) => {}
-            }
-            let key = (episode, t);
-            let kind = field("kind")?
-                .as_str()
-                .ok_or_else(|| bad("field `kind`: expected a string".into()))?;
-            if kind == "decision" {
-                let cj: ContextJson = serde_json::from_value(field("context")?.clone())
-                    .map_err(|e| bad(format!("field `context`: {e}")))?;
-                let ctx = cj
-                    .to_context(t)
-                    .map_err(|e| bad(format!("field `context`: {e}")))?;
-                if contexts.insert(key.clone(), ctx).is_some() {
-                    return Err(bad(format!("a second decision line for episode {} t={t}", key.0)));
-                }
-                if let Some(n) = v.get("labels") {
-                    let n = n
-                        .as_u64()
-                        .ok_or_else(|| bad("field `labels`: expected a count".into()))?;
-                    announced.insert(key.clone(), (n as usize, at.clone()));
-                }
-                order.push(key);
-                continue;
-            }
-            let set: Vec<usize> = serde_json::from_value(field("set")?.clone())
-                .map_err(|e| bad(format!("field `set`: expected an array of steps ({e})")))?;
-            if set.windows(2).any(|w| w[0] >= w[1]) {
-                return Err(bad(format!("field `set`: {set:?} is not strictly increasing")));
-            }
-            let q = field("q")?
-                .as_f64()
-                .filter(|q| q.is_finite())
-                .ok_or_else(|| bad("field `q`: expected a finite number".into()))?;
-            sets.entry(key).or_default().push((set, q));
-            labels += 1;
+            reader.read_line(&text, i, line, &at)?;
         }
     }
-    check_announced(&announced, &sets)?;
-    for key in sets.keys() {
-        if !contexts.contains_key(key) {
-            return Err(Error::InvalidRequest(format!(
-                "labels of episode {} t={} have no `decision` line (label the episode again with this recall)",
+    reader.finish()
+}
+
+/// What [`read_labels`] has gathered so far.
+struct LabelReader {
+    allow_mixed: bool,
+    contexts: BTreeMap<DecisionKey, DecisionContext>,
+    sets: BTreeMap<DecisionKey, Vec<(Vec<usize>, f64)>>,
+    /// Decisions in file order.
+    order: Vec<DecisionKey>,
+    /// The first `made_with` and where it was.
+    made_with: Option<(Value, String)>,
+    labels: usize,
+    /// Label counts announced by decision lines, and where.
+    announced: BTreeMap<DecisionKey, (usize, String)>,
+}
+
+impl LabelReader {
+    fn new(allow_mixed: bool) -> Self {
+        LabelReader {
+            allow_mixed,
+            contexts: BTreeMap::new(),
+            sets: BTreeMap::new(),
+            order: Vec::new(),
+            made_with: None,
+            labels: 0,
+            announced: BTreeMap::new(),
+        }
+    }
+
+    /// Reads line `i` (`line`, at `at`) of the file `text`: a decision line or a label line.
+    fn read_line(&mut self, text: &str, i: usize, line: &str, at: &str) -> Result<()> {
+        let bad = |m: String| Error::InvalidRequest(format!("{at}: {m}"));
+        let v: Value =
+            serde_json::from_str(line).map_err(|e| bad(format!("not JSON: {e}{}", partial_hint(text, i))))?;
+        let field = |name: &str| v.get(name).ok_or_else(|| bad(format!("no field `{name}`")));
+        let episode = field("episode")
+            .map_err(|e| {
+                Error::InvalidRequest(format!(
+                    "{e} (a label file from an older recall: label the episode again with `recall episode label`)"
+                ))
+            })?
+            .as_str()
+            .ok_or_else(|| bad("field `episode`: expected a string".into()))?
+            .to_string();
+        let t = field("t")?
+            .as_u64()
+            .filter(|&t| t >= 1)
+            .ok_or_else(|| bad("field `t`: expected an integer >= 1".into()))? as usize;
+        self.check_made_with(field("made_with")?.clone(), at)?;
+        let key = (episode, t);
+        let kind = field("kind")?
+            .as_str()
+            .ok_or_else(|| bad("field `kind`: expected a string".into()))?;
+        if kind == "decision" {
+            return self.read_decision(&v, key, at);
+        }
+        let set: Vec<usize> = serde_json::from_value(field("set")?.clone())
+            .map_err(|e| bad(format!("field `set`: expected an array of steps ({e})")))?;
+        if set.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(bad(format!("field `set`: {set:?} is not strictly increasing")));
+        }
+        let q = field("q")?
+            .as_f64()
+            .filter(|q| q.is_finite())
+            .ok_or_else(|| bad("field `q`: expected a finite number".into()))?;
+        self.sets.entry(key).or_default().push((set, q));
+        self.labels += 1;
+        Ok(())
+    }
+
+    /// Records the first `made_with`; a later one must equal it unless mixing is allowed.
+    fn check_made_with(&mut self, mw: Value, at: &str) -> Result<()> {
+        match &self.made_with {
+            None => self.made_with = Some((mw, at.to_string())),
+            Some((first, first_at)) if *first != mw && !self.allow_mixed => {
+                return Err(Error::InvalidRequest(format!(
+                    "{at}: field `made_with` differs from {first_at}'s ({mw} vs {first}); labels made with \
+                     different models, adapters or pixel budgets measure different policies \
+                     (--allow-mixed to train on them anyway)"
+                )))
+            }
+            Some(_) => {}
+        }
+        Ok(())
+    }
+
+    /// A `decision` line (`v`, at `at`): the decision's context and its announced label count.
+    fn read_decision(&mut self, v: &Value, key: DecisionKey, at: &str) -> Result<()> {
+        let bad = |m: String| Error::InvalidRequest(format!("{at}: {m}"));
+        let context = v
+            .get("context")
+            .ok_or_else(|| bad("no field `context`".to_string()))?;
+        let cj: ContextJson =
+            serde_json::from_value(context.clone()).map_err(|e| bad(format!("field `context`: {e}")))?;
+        let ctx = cj
+            .to_context(key.1)
+            .map_err(|e| bad(format!("field `context`: {e}")))?;
+        if self.contexts.insert(key.clone(), ctx).is_some() {
+            return Err(bad(format!(
+                "a second decision line for episode {} t={}",
                 key.0, key.1
             )));
         }
+        if let Some(n) = v.get("labels") {
+            let n = n
+                .as_u64()
+                .ok_or_else(|| bad("field `labels`: expected a count".into()))?;
+            self.announced.insert(key.clone(), (n as usize, at.to_string()));
+        }
+        self.order.push(key);
+        Ok(())
     }
-    let decisions = order
-        .into_iter()
-        .filter_map(|key| {
-            let utilities = sets.remove(&key)?;
-            let context = contexts.remove(&key)?;
-            Some(LabelledDecision {
-                episode: key.0,
-                context,
-                utilities,
+
+    /// Checks the announced counts and that every labelled decision has its decision line, and
+    /// pairs the decisions (file order) with their labels.
+    fn finish(mut self) -> Result<LabelSet> {
+        check_announced(&self.announced, &self.sets)?;
+        for key in self.sets.keys() {
+            if !self.contexts.contains_key(key) {
+                return Err(Error::InvalidRequest(format!(
+                    "labels of episode {} t={} have no `decision` line (label the episode again with this recall)",
+                    key.0, key.1
+                )));
+            }
+        }
+        let decisions = self
+            .order
+            .into_iter()
+            .filter_map(|key| {
+                let utilities = self.sets.remove(&key)?;
+                let context = self.contexts.remove(&key)?;
+                Some(LabelledDecision {
+                    episode: key.0,
+                    context,
+                    utilities,
+                })
             })
+            .collect();
+        Ok(LabelSet {
+            decisions,
+            made_with: self.made_with.map(|m| m.0).unwrap_or(Value::Null),
+            labels: self.labels,
         })
-        .collect();
-    Ok(LabelSet {
-        decisions,
-        made_with: made_with.map(|m| m.0).unwrap_or(Value::Null),
-        labels,
-    })
+    }
 }
 
 /// One decision of a label run, as a resumed run compares them: the decisions a file holds complete

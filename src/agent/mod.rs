@@ -1,6 +1,7 @@
 //! Agents built on the engine: actions (parse, canonicalise, match) and the two-pass controllers.
 
-pub mod action;
+/// Re-exported from the top-level leaf module, so `recall::agent::action::...` keeps working.
+pub use crate::action;
 pub mod causalcache;
 pub mod chart;
 pub mod compare;

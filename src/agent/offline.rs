@@ -8,7 +8,7 @@ use std::path::Path;
 use image::{Rgb, RgbImage};
 use serde::Serialize;
 
-use crate::agent::action::{equivalent, parse_response};
+use crate::action::{equivalent, parse_response};
 use crate::agent::causalcache::{prompt_for, EpisodeMemo, StepReport};
 use crate::agent::eval::{percentile_interval, BootstrapConfig, Interval, SplitMix64};
 use crate::agent::labels::label_context;

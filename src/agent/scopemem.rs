@@ -15,7 +15,7 @@
 
 use serde::Serialize;
 
-use crate::agent::action::{parse_response, Platform};
+use crate::action::{parse_response, Platform};
 use crate::agent::causalcache::agent_params;
 use crate::agent::dataset::EvalStep;
 use crate::engine::{Generation, Prompt, RequestOptions, Segment, Session};
@@ -194,7 +194,7 @@ fn generate(
 /// keeps its text).
 ///
 /// ```
-/// use recall::agent::action::Platform;
+/// use recall::action::Platform;
 /// use recall::agent::scopemem::EncoderFields;
 /// let history = vec!["Action: open.\n<tool_call>\n{\"name\": \"mobile_use\", \"arguments\": {\"action\": \"open\", \"text\": \"Clock\"}}\n</tool_call>".to_string()];
 /// let f = EncoderFields::build("a0", "Set an alarm", &history, Platform::Mobile);

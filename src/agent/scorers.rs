@@ -5,7 +5,7 @@
 //! per-step data its rule needs ([`ScoreContext`]). Sources, the mapping of recall's actions onto each
 //! benchmark's action space and the known quirks are in `docs/EVAL.md` ("Benchmark scorers"); in brief:
 //!
-//! * [`Scorer::Recall`]: [`exact_match`] — [`equivalent`](crate::agent::action::equivalent) (the reference
+//! * [`Scorer::Recall`]: [`exact_match`] — [`equivalent`](crate::action::equivalent) (the reference
 //!   notes' rule), widened by [`ScoreContext::target_box`] exactly as the step evaluation does; with no
 //!   box it is `equivalent` itself.
 //! * [`Scorer::Aitw`]: google-research `android_in_the_wild/action_matching.py` (`check_actions_match`).
@@ -29,7 +29,7 @@
 //! AITW) never matches either. Grid value `g` is the fraction `g / 999` of the screen.
 //!
 //! ```
-//! use recall::agent::action::{parse_tool_call, Platform};
+//! use recall::action::{parse_tool_call, Platform};
 //! use recall::agent::scorers::{ScoreContext, Scorer};
 //! use serde_json::{json, Value};
 //!
@@ -48,8 +48,8 @@
 use std::fmt;
 use std::str::FromStr;
 
-use crate::agent::action::{py_strip, Action, ActionArgs, Button, Platform, Point, GRID_MAX};
-use crate::agent::eval::exact_match;
+use crate::action::{equivalent, py_strip, Action, ActionArgs, Button, Platform, Point, GRID_MAX};
+use crate::agent::dataset::is_click_like;
 
 /// An action-matching rule, selected by name (`--scorer`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -123,7 +123,7 @@ impl Scorer {
     /// `docs/EVAL.md`). Pure; never panics.
     ///
     /// ```
-    /// use recall::agent::action::{parse_tool_call, Platform};
+    /// use recall::action::{parse_tool_call, Platform};
     /// use recall::agent::scorers::{ScoreContext, Scorer};
     /// use serde_json::{json, Value};
     ///
@@ -567,5 +567,27 @@ mod odyssey {
             assert_eq!(levenshtein(&c(""), &c("abc")), 3);
             assert_eq!(levenshtein(&c("café"), &c("cafe")), 1);
         }
+    }
+}
+
+/// Full-action match of `candidate` against `reference` with an optional target box (the EM rule of `agent::eval`'s module docs; here, beside the other rules, so that eval imports scorers and not the other way round).
+pub fn exact_match(
+    reference: &Action,
+    candidate: &Action,
+    target_box: Option<[u32; 4]>,
+    platform: Platform,
+) -> bool {
+    if equivalent(reference, candidate, platform) {
+        return true;
+    }
+    match (target_box, candidate.grid_point()) {
+        (Some([x0, y0, x1, y1]), Some(p)) => {
+            is_click_like(reference)
+                && candidate.platform == platform
+                && candidate.name() == reference.name()
+                && (x0..=x1).contains(&p.x)
+                && (y0..=y1).contains(&p.y)
+        }
+        _ => false,
     }
 }

@@ -7,7 +7,10 @@ use crate::error::{Error, Result};
 
 /// The error of a malformed op call.
 pub(crate) fn shape_err(op: &str, msg: String) -> Error {
-    Error::InvalidRequest(format!("{op}: {msg}"))
+    Error::Shape {
+        op: op.to_string(),
+        message: msg,
+    }
 }
 
 /// `paged_attention`: q `[Σ rows, q_heads · d]`, pools `[slots, kv_heads · d]`, and every sequence's

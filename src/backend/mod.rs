@@ -16,7 +16,7 @@ mod select;
 
 pub use select::{select, BackendArgs, BackendChoice, Selected};
 
-use crate::model::loader::TensorRef;
+use crate::checkpoint::TensorRef;
 use crate::Result;
 
 /// Buffers and ops of one compute device.
@@ -129,6 +129,22 @@ pub trait Backend: Send + Sync {
     ) -> Result<Self::Tensor>;
     /// The same data viewed as `[rows, cols]` (row-major; `rows · cols` must be unchanged).
     fn reshape(&self, x: Self::Tensor, rows: usize, cols: usize) -> Result<Self::Tensor>;
+    /// Splits `x: [n, parts · w]` into `parts` tensors `[n, w]` of consecutive column blocks (the q,
+    /// k and v of one fused projection GEMM). The default views the rows as `[n · parts, w]` and
+    /// gathers every `parts`-th row: a copy, so the parts are bitwise the columns.
+    fn split_cols(&self, x: Self::Tensor, parts: usize) -> Result<Vec<Self::Tensor>> {
+        let (n, cols) = self.dims(&x);
+        if parts == 0 || !cols.is_multiple_of(parts) {
+            return Err(check::shape_err(
+                "split_cols",
+                format!("[{n}, {cols}] into {parts} parts"),
+            ));
+        }
+        let x = self.reshape(x, n * parts, cols / parts)?;
+        (0..parts)
+            .map(|j| self.gather_rows(&x, &(0..n).map(|i| i * parts + j).collect::<Vec<_>>()))
+            .collect()
+    }
     /// Rows `index[i]` of `x`, in that order.
     fn gather_rows(&self, x: &Self::Tensor, index: &[usize]) -> Result<Self::Tensor>;
     /// `dst[index[i]] = src[i]` (`accumulate` false) or `dst[index[i]] += src[i]` (true).

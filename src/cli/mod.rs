@@ -5,6 +5,7 @@ mod bench;
 mod chat;
 mod demo;
 mod episode;
+mod kernels;
 mod loadgen;
 mod scopemem;
 mod selector;
@@ -65,6 +66,8 @@ enum Command {
     /// Drive an OpenAI-compatible server with concurrent agent-shaped clients and report throughput
     /// and latency (docs/SERVER.md).
     Loadgen(recall::loadgen::LoadgenArgs),
+    /// Validate every kernel version against the CPU, then time it against the roofline (docs/KERNELS.md).
+    Kernels(kernels::KernelsArgs),
 }
 
 /// Parses the command line (applying `recall bench --tiny`'s preset) and runs the command.
@@ -85,6 +88,7 @@ pub fn run() -> Result<()> {
         Command::Demo(a) => demo::run(a),
         Command::Serve(a) => serve::run(a),
         Command::Loadgen(a) => loadgen::run(a),
+        Command::Kernels(a) => kernels::run(a),
     }
 }
 

@@ -10,15 +10,15 @@
 //! `action_line` wins; otherwise mobile extracts `r.split("Action:")[-1].split("<tool_call>")[0].strip()`
 //! with CausalCache's fallback (the parsed action name, else `unknown action`), and desktop renders
 //! CausalCache's template from the parsed `computer_use` arguments (fallback
-//! `Wait for the screen to update.`). The parsing lives in [`crate::agent::action`], a leaf module with
+//! `Wait for the screen to update.`). The parsing lives in [`crate::action`], a leaf module with
 //! no engine dependencies, which also defines [`Platform`].
 
 use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
-pub use crate::agent::action::Platform;
-use crate::agent::action::{action_line_or_fallback, parse_response, DESKTOP_FALLBACK_LINE};
+pub use crate::action::Platform;
+use crate::action::{action_line_or_fallback, parse_response, DESKTOP_FALLBACK_LINE};
 use crate::error::{Error, Result};
 
 /// The file name of an episode's description inside its directory.

@@ -484,6 +484,34 @@ impl Split {
             }
         }
     }
+
+    /// Refills `batch` with whole states `order[at..]` (features from `z`, targets divided by
+    /// `scale`) until it holds at least `batch_samples` samples or the states run out; returns the
+    /// position in `order` after the last state taken.
+    fn fill_batch(
+        &self,
+        batch: &mut Batch,
+        order: &[usize],
+        mut at: usize,
+        z: &[[f64; NUM_FEATURES]],
+        scale: f64,
+        batch_samples: usize,
+    ) -> usize {
+        batch.z.clear();
+        batch.y.clear();
+        batch.pairs.clear();
+        while at < order.len() && batch.z.len() < batch_samples {
+            let st = &self.states[order[at]];
+            self.pairs_of(st, batch.z.len(), &mut batch.pairs);
+            let range = st.start..st.start + st.len;
+            batch.z.extend_from_slice(&z[range.clone()]);
+            batch
+                .y
+                .extend(self.samples[range].iter().map(|s| s.delta / scale));
+            at += 1;
+        }
+        at
+    }
 }
 
 fn context_error(d: &LabelledDecision, e: Error) -> Error {
@@ -681,6 +709,44 @@ pub fn train(
     mut progress: impl FnMut(usize, f64),
 ) -> Result<Trained> {
     cfg.validate()?;
+    let (heldout_set, train_split, held_split) = split_decisions(decisions, cfg)?;
+    let (mean, std) = fit_normalisation(&train_split.samples);
+    let n = train_split.samples.len() as f64;
+    let rms = (train_split.samples.iter().map(|s| s.delta * s.delta).sum::<f64>() / n).sqrt();
+    let scale = if rms > 1e-12 { rms } else { 1.0 };
+    let z: Vec<[f64; NUM_FEATURES]> = train_split
+        .samples
+        .iter()
+        .map(|s| normalise(&s.x, &mean, &std))
+        .collect();
+    let (mlp, first_loss, last_loss) = fit(&train_split, &z, scale, cfg, &mut progress)?;
+
+    let params = export(&mlp, &mean, &std, scale);
+    let scorer = MarginalScorer::from_params(&params)?;
+    let baseline = train_split.samples.iter().map(|s| s.delta).sum::<f64>() / n;
+    let train_metrics = evaluate(decisions, &train_split, &scorer, baseline);
+    let heldout =
+        (!held_split.decisions.is_empty()).then(|| evaluate(decisions, &held_split, &scorer, baseline));
+    Ok(Trained {
+        params,
+        report: TrainReport {
+            config: cfg.clone(),
+            heldout_episodes: heldout_set.into_iter().collect(),
+            first_epoch_loss: first_loss,
+            last_epoch_loss: last_loss,
+            target_scale: scale,
+            train: train_metrics,
+            heldout,
+        },
+    })
+}
+
+/// Holds out episodes ([`split_episodes`]) and builds the held-out and training splits; the training
+/// split must have samples. Returns the held-out episodes, the training split and the held-out one.
+fn split_decisions(
+    decisions: &[LabelledDecision],
+    cfg: &TrainConfig,
+) -> Result<(BTreeSet<String>, Split, Split)> {
     let heldout_set = split_episodes(decisions, cfg.holdout, cfg.seed);
     let (mut train_idx, mut held_idx) = (Vec::new(), Vec::new());
     for (i, d) in decisions.iter().enumerate() {
@@ -704,20 +770,22 @@ pub fn train(
                 .into(),
         ));
     }
-    let (mean, std) = fit_normalisation(&train_split.samples);
-    let n = train_split.samples.len() as f64;
-    let rms = (train_split.samples.iter().map(|s| s.delta * s.delta).sum::<f64>() / n).sqrt();
-    let scale = if rms > 1e-12 { rms } else { 1.0 };
-    let z: Vec<[f64; NUM_FEATURES]> = train_split
-        .samples
-        .iter()
-        .map(|s| normalise(&s.x, &mean, &std))
-        .collect();
+    Ok((heldout_set, train_split, held_split))
+}
 
+/// The epoch loop: AdamW on shuffled batches of whole states (`z` the split's normalised features,
+/// targets divided by `scale`). Returns the MLP and the first and last epochs' mean losses.
+fn fit(
+    split: &Split,
+    z: &[[f64; NUM_FEATURES]],
+    scale: f64,
+    cfg: &TrainConfig,
+    progress: &mut impl FnMut(usize, f64),
+) -> Result<(Mlp, f64, f64)> {
     let mut mlp = Mlp::init(cfg.hidden, cfg.seed);
     let mut opt = AdamW::new(mlp.theta.len(), cfg.learning_rate, cfg.weight_decay);
     let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed.wrapping_add(1));
-    let mut order: Vec<usize> = (0..train_split.states.len()).collect();
+    let mut order: Vec<usize> = (0..split.states.len()).collect();
     let (mut first_loss, mut last_loss) = (f64::NAN, f64::NAN);
     let mut batch = Batch::default();
     for epoch in 0..cfg.epochs {
@@ -728,19 +796,7 @@ pub fn train(
         let (mut total, mut batches) = (0.0, 0usize);
         let mut at = 0;
         while at < order.len() {
-            batch.z.clear();
-            batch.y.clear();
-            batch.pairs.clear();
-            while at < order.len() && batch.z.len() < cfg.batch_samples {
-                let st = &train_split.states[order[at]];
-                train_split.pairs_of(st, batch.z.len(), &mut batch.pairs);
-                let range = st.start..st.start + st.len;
-                batch.z.extend_from_slice(&z[range.clone()]);
-                batch
-                    .y
-                    .extend(train_split.samples[range].iter().map(|s| s.delta / scale));
-                at += 1;
-            }
+            at = split.fill_batch(&mut batch, &order, at, z, scale, cfg.batch_samples);
             let (loss, grad) = objective(&mlp, &batch, cfg.rank_weight);
             if !loss.is_finite() {
                 return Err(Error::InvalidRequest(format!(
@@ -759,25 +815,7 @@ pub fn train(
         last_loss = mean_loss;
         progress(epoch + 1, mean_loss);
     }
-
-    let params = export(&mlp, &mean, &std, scale);
-    let scorer = MarginalScorer::from_params(&params)?;
-    let baseline = train_split.samples.iter().map(|s| s.delta).sum::<f64>() / n;
-    let train_metrics = evaluate(decisions, &train_split, &scorer, baseline);
-    let heldout =
-        (!held_split.decisions.is_empty()).then(|| evaluate(decisions, &held_split, &scorer, baseline));
-    Ok(Trained {
-        params,
-        report: TrainReport {
-            config: cfg.clone(),
-            heldout_episodes: heldout_set.into_iter().collect(),
-            first_epoch_loss: first_loss,
-            last_epoch_loss: last_loss,
-            target_scale: scale,
-            train: train_metrics,
-            heldout,
-        },
-    })
+    Ok((mlp, first_loss, last_loss))
 }
 
 /// The file's parameters: f32, with `σ` folded into `fc3`.

@@ -19,9 +19,10 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use crate::backend::Backend;
+use crate::checkpoint::{Checkpoint, TensorRef};
 use crate::error::{Error, Result};
 use crate::model::config::TextConfig;
-use crate::model::loader::{Checkpoint, TensorRef};
+use crate::model::weights::Weights;
 
 /// Where an adapter acts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
@@ -309,6 +310,8 @@ impl<B: Backend> Adapter<B> {
             });
         }
         let (hidden, kv_dim) = (cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim);
+        // Names come from the file (any PEFT prefix); the loader checks each shape.
+        let weights = Weights::new(be, ckpt);
         let mut layers: Vec<Option<LayerLora<B>>> = (0..cfg.num_hidden_layers).map(|_| None).collect();
         let mut hasher = xxhash_rust::xxh64::Xxh64::new(0x6b76);
         hasher.update(&rank.to_le_bytes());
@@ -319,8 +322,8 @@ impl<B: Backend> Adapter<B> {
                 path: path.clone(),
             };
             let (a, b) = (a.ok_or_else(|| missing("A"))?, b.ok_or_else(|| missing("B"))?);
-            a.expect_shape(&[rank, hidden])?;
-            b.expect_shape(&[kv_dim, rank])?;
+            let a = weights.tensor(&a.name, &[rank, hidden])?;
+            let b = weights.tensor(&b.name, &[kv_dim, rank])?;
             hasher.update(a.bytes());
             hasher.update(b.bytes());
             let pair = LoraPair {

@@ -2,6 +2,7 @@
 
 pub mod config;
 pub mod hgkv;
+pub mod layers;
 pub mod loader;
 pub mod mrope;
 pub mod scopemem;
@@ -9,6 +10,7 @@ pub mod text;
 pub mod vision;
 pub mod vision_qwen25;
 pub mod vision_qwen3;
+pub mod weights;
 
 use std::path::Path;
 

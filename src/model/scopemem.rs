@@ -38,16 +38,17 @@
 //! attention whose query and key lengths differ; cross-attention is built from
 //! [`Backend::attention_segments`] by repeating the context (see `cross_attention`), which is exact.
 
-use std::cell::RefCell;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, Gelu};
+use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
-use crate::model::loader::Checkpoint;
+use crate::model::layers::{GeluMlp, LayerNorm, Linear};
+use crate::model::weights::Weights;
 
 /// The text fields in context order; a field's index is its segment id.
 pub const FIELDS: [&str; 4] = ["first_opinion", "task", "summary", "recent_actions"];
@@ -301,6 +302,14 @@ impl ScopeMemConfig {
             fields,
             confidence,
         };
+        cfg.check(path, doc)?;
+        Ok(cfg)
+    }
+
+    /// The checks across fields, after each field has been read.
+    fn check(&self, path: &Path, doc: &Value) -> Result<()> {
+        let err = |field: &str, msg: String| Error::json(path, field, msg);
+        let cfg = self;
         if !cfg.has_context() && cfg.num_self_layers > 0 {
             return Err(err(
                 "num_self_layers",
@@ -341,7 +350,7 @@ impl ScopeMemConfig {
                 ),
             ));
         }
-        Ok(cfg)
+        Ok(())
     }
 
     /// Width of one attention head.
@@ -538,42 +547,6 @@ fn check_p0(p: &[f32]) -> Result<()> {
     Ok(())
 }
 
-/// `x · Wᵀ + b`.
-struct Linear<B: Backend> {
-    weight: B::Weight, // [out, in]
-    bias: B::Weight,   // [out]
-}
-
-impl<B: Backend> Linear<B> {
-    fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
-        be.linear(x, &self.weight, Some(&self.bias))
-    }
-}
-
-struct LayerNorm<B: Backend> {
-    weight: B::Weight, // [d]
-    bias: B::Weight,   // [d]
-}
-
-impl<B: Backend> LayerNorm<B> {
-    fn forward(&self, be: &B, x: &B::Tensor, eps: f32) -> Result<B::Tensor> {
-        be.layer_norm(x, &self.weight, &self.bias, eps)
-    }
-}
-
-/// `fc2(gelu(fc1(x)))` with the erf GELU.
-struct Mlp<B: Backend> {
-    fc1: Linear<B>,
-    fc2: Linear<B>,
-}
-
-impl<B: Backend> Mlp<B> {
-    fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
-        let h = be.gelu(&self.fc1.forward(be, x)?, Gelu::Erf)?;
-        self.fc2.forward(be, &h)
-    }
-}
-
 /// A pre-LayerNorm block; self-attention, or cross-attention onto a context.
 struct Block<B: Backend> {
     norm1: LayerNorm<B>,
@@ -582,20 +555,29 @@ struct Block<B: Backend> {
     v_proj: Linear<B>,
     o_proj: Linear<B>,
     norm2: LayerNorm<B>,
-    mlp: Mlp<B>,
+    mlp: GeluMlp<B>,
+    heads: usize,
 }
 
 impl<B: Backend> Block<B> {
+    fn load(w: &Weights<B>, c: &ScopeMemConfig) -> Result<Self> {
+        let (d, eps) = (c.d_model, c.layer_norm_eps);
+        let proj = |name: &str| Linear::load(&w.pp("attn").pp(name), d, d, true);
+        Ok(Block {
+            norm1: LayerNorm::load(&w.pp("norm1"), d, eps)?,
+            q_proj: proj("q_proj")?,
+            k_proj: proj("k_proj")?,
+            v_proj: proj("v_proj")?,
+            o_proj: proj("o_proj")?,
+            norm2: LayerNorm::load(&w.pp("norm2"), d, eps)?,
+            mlp: GeluMlp::load(&w.pp("mlp"), ["fc1", "fc2"], [d, c.ffn_size, d], Gelu::Erf)?,
+            heads: c.num_heads,
+        })
+    }
+
     /// `x: [m, d]`; `ctx: [n, d]` for cross-attention (already normalised), `None` for self-attention.
-    fn forward(
-        &self,
-        be: &B,
-        x: &B::Tensor,
-        ctx: Option<&B::Tensor>,
-        heads: usize,
-        eps: f32,
-    ) -> Result<B::Tensor> {
-        let y = self.norm1.forward(be, x, eps)?;
+    fn forward(&self, be: &B, x: &B::Tensor, ctx: Option<&B::Tensor>) -> Result<B::Tensor> {
+        let y = self.norm1.forward(be, x)?;
         let kv = ctx.unwrap_or(&y);
         let q = self.q_proj.forward(be, &y)?;
         let k = self.k_proj.forward(be, kv)?;
@@ -603,21 +585,21 @@ impl<B: Backend> Block<B> {
         let a = match ctx {
             None => {
                 let n = be.dims(&q).0;
-                be.attention_segments(&q, &k, &v, heads, &[0, n])?
+                be.attention_segments(&q, &k, &v, self.heads, &[0, n])?
             }
-            Some(_) => cross_attention(be, &q, &k, &v, heads)?,
+            Some(_) => cross_attention(be, &q, &k, &v, self.heads)?,
         };
         let x = be.add(x, &self.o_proj.forward(be, &a)?)?;
-        let m = self.mlp.forward(be, &self.norm2.forward(be, &x, eps)?)?;
+        let m = self.mlp.forward(be, &self.norm2.forward(be, &x)?)?;
         be.add(&x, &m)
     }
 
     /// Cross-attention onto an empty context: the attention output is the empty sum, zero, so
     /// the block adds `o_proj(0)` (its bias) and then its MLP — what PyTorch computes for zero keys.
-    fn forward_onto_nothing(&self, be: &B, x: &B::Tensor, eps: f32) -> Result<B::Tensor> {
+    fn forward_onto_nothing(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
         let (m, d) = be.dims(x);
         let x = be.add(x, &self.o_proj.forward(be, &be.zeros(m, d)?)?)?;
-        let mlp = self.mlp.forward(be, &self.norm2.forward(be, &x, eps)?)?;
+        let mlp = self.mlp.forward(be, &self.norm2.forward(be, &x)?)?;
         be.add(&x, &mlp)
     }
 }
@@ -675,7 +657,7 @@ pub struct ScopeMemEncoder<B: Backend = CpuBackend> {
     source: PathBuf,
     /// Present when the encoder reads text fields.
     fields: Option<FieldEmbedding<B>>,
-    conf_mlp: Option<Mlp<B>>, // [11] -> [conf_hidden] -> [d]
+    conf_mlp: Option<GeluMlp<B>>, // [11] -> [conf_hidden] -> [d]
     self_layers: Vec<Block<B>>,
     /// Present when the context holds anything.
     context_norm: Option<LayerNorm<B>>,
@@ -717,73 +699,41 @@ impl<B: Backend> ScopeMemEncoder<B> {
                 ),
             });
         }
-        // Shape-check everything first, in forward order, then hand the weights to the modules.
-        let mut loaded: HashMap<String, B::Weight> = HashMap::new();
-        for (name, shape) in &expected {
-            let t = ckpt.get(name)?;
-            t.expect_shape(shape)?;
-            loaded.insert(name.clone(), backend.load_weight(t)?);
-        }
-        let loaded = RefCell::new(loaded);
-        let w = |name: &str| -> Result<B::Weight> {
-            loaded
-                .borrow_mut()
-                .remove(name)
-                .ok_or_else(|| Error::MissingTensor {
-                    name: name.to_string(),
-                    path: file.clone(),
-                })
-        };
-        let linear = |p: &str| -> Result<Linear<B>> {
-            Ok(Linear {
-                weight: w(&format!("{p}.weight"))?,
-                bias: w(&format!("{p}.bias"))?,
+        // Every tensor is shape-checked as it loads, in forward order (that of `config.tensors()`).
+        let w = Weights::new(backend, &ckpt);
+        let (c, d) = (&config, config.d_model);
+        let norm = |name: &str| LayerNorm::load(&w.pp(name), d, c.layer_norm_eps);
+        let fields = if c.fields.is_empty() {
+            None
+        } else {
+            Some(FieldEmbedding {
+                in_proj: Linear::load(&w.pp("in_proj"), d, c.hidden_size, true)?,
+                segment_embed: w.get("segment_embed.weight", &[c.fields.len(), d])?,
+                pos_embed: w.get("pos_embed.weight", &[c.max_positions, d])?,
             })
         };
-        let norm = |p: &str| -> Result<LayerNorm<B>> {
-            Ok(LayerNorm {
-                weight: w(&format!("{p}.weight"))?,
-                bias: w(&format!("{p}.bias"))?,
-            })
-        };
-        let mlp = |p: &str| -> Result<Mlp<B>> {
-            Ok(Mlp {
-                fc1: linear(&format!("{p}.fc1"))?,
-                fc2: linear(&format!("{p}.fc2"))?,
-            })
-        };
-        let block = |p: String| -> Result<Block<B>> {
-            Ok(Block {
-                norm1: norm(&format!("{p}.norm1"))?,
-                q_proj: linear(&format!("{p}.attn.q_proj"))?,
-                k_proj: linear(&format!("{p}.attn.k_proj"))?,
-                v_proj: linear(&format!("{p}.attn.v_proj"))?,
-                o_proj: linear(&format!("{p}.attn.o_proj"))?,
-                norm2: norm(&format!("{p}.norm2"))?,
-                mlp: mlp(&format!("{p}.mlp"))?,
-            })
-        };
+        let conf_in = [c.num_action_types + 1, c.conf_hidden, d];
+        let conf_mlp = c
+            .confidence
+            .then(|| GeluMlp::load(&w.pp("conf_mlp"), ["fc1", "fc2"], conf_in, Gelu::Erf))
+            .transpose()?;
+        let self_layers = (0..c.num_self_layers)
+            .map(|i| Block::load(&w.pp("self_layers").pp(i), c))
+            .collect::<Result<_>>()?;
+        let context_norm = c.has_context().then(|| norm("context_norm")).transpose()?;
+        let queries = w.get("queries", &[c.num_queries, d])?;
+        let cross_layers = (0..c.num_cross_layers)
+            .map(|i| Block::load(&w.pp("cross_layers").pp(i), c))
+            .collect::<Result<_>>()?;
         let enc = ScopeMemEncoder {
-            fields: if config.fields.is_empty() {
-                None
-            } else {
-                Some(FieldEmbedding {
-                    in_proj: linear("in_proj")?,
-                    segment_embed: w("segment_embed.weight")?,
-                    pos_embed: w("pos_embed.weight")?,
-                })
-            },
-            conf_mlp: config.confidence.then(|| mlp("conf_mlp")).transpose()?,
-            self_layers: (0..config.num_self_layers)
-                .map(|i| block(format!("self_layers.{i}")))
-                .collect::<Result<_>>()?,
-            context_norm: config.has_context().then(|| norm("context_norm")).transpose()?,
-            queries: w("queries")?,
-            cross_layers: (0..config.num_cross_layers)
-                .map(|i| block(format!("cross_layers.{i}")))
-                .collect::<Result<_>>()?,
+            fields,
+            conf_mlp,
+            self_layers,
+            context_norm,
+            queries,
+            cross_layers,
             out_norm: norm("out_norm")?,
-            out_proj: linear("out_proj")?,
+            out_proj: Linear::load(&w.pp("out_proj"), c.hidden_size, d, true)?,
             source: dir.to_path_buf(),
             config,
         };
@@ -813,7 +763,6 @@ impl<B: Backend> ScopeMemEncoder<B> {
     /// multiple of `hidden_size`, that holds more than `max_positions` tokens or non-finite values.
     pub fn forward_on(&self, be: &B, inputs: &EncoderInputs) -> Result<Vec<f32>> {
         let c = &self.config;
-        let eps = c.layer_norm_eps;
         if c.confidence {
             check_p0(&inputs.p0)?;
         }
@@ -821,11 +770,11 @@ impl<B: Backend> ScopeMemEncoder<B> {
         let ctx = self.context(be, inputs)?;
         for layer in &self.cross_layers {
             q = match &ctx {
-                Some(ctx) => layer.forward(be, &q, Some(ctx), c.num_heads, eps)?,
-                None => layer.forward_onto_nothing(be, &q, eps)?,
+                Some(ctx) => layer.forward(be, &q, Some(ctx))?,
+                None => layer.forward_onto_nothing(be, &q)?,
             };
         }
-        let out = self.out_proj.forward(be, &self.out_norm.forward(be, &q, eps)?)?;
+        let out = self.out_proj.forward(be, &self.out_norm.forward(be, &q)?)?;
         be.download(&out)
     }
 
@@ -834,7 +783,7 @@ impl<B: Backend> ScopeMemEncoder<B> {
     /// encoder that reads nothing, or only fields that are all empty, as history on a first step).
     fn context(&self, be: &B, inputs: &EncoderInputs) -> Result<Option<B::Tensor>> {
         let c = &self.config;
-        let (hidden, d, eps) = (c.hidden_size, c.d_model, c.layer_norm_eps);
+        let (hidden, d) = (c.hidden_size, c.d_model);
         let Some(norm) = &self.context_norm else {
             return Ok(None);
         };
@@ -860,9 +809,9 @@ impl<B: Backend> ScopeMemEncoder<B> {
             be.scatter_rows(&mut h, &(lead..len).collect::<Vec<_>>(), &x, false)?;
         }
         for layer in &self.self_layers {
-            h = layer.forward(be, &h, None, c.num_heads, eps)?;
+            h = layer.forward(be, &h, None)?;
         }
-        Ok(Some(norm.forward(be, &h, eps)?))
+        Ok(Some(norm.forward(be, &h)?))
     }
 
     /// The read fields' embeddings concatenated in segment order, with their segment and position

@@ -9,45 +9,142 @@
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::backend::{AttnShape, Backend, PagedSeq};
+use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 use crate::model::config::TextConfig;
 use crate::model::hgkv::{Adapter, LayerLora};
-use crate::model::loader::Checkpoint;
+use crate::model::layers::{Linear, RmsNorm, SwiGlu};
 use crate::model::mrope::{MRope, Positions};
+use crate::model::weights::Weights;
 
-/// A linear layer: weight `[out, in]` and an optional bias `[out]`.
-struct Linear<B: Backend> {
-    weight: B::Weight,
-    bias: Option<B::Weight>,
-}
-
-impl<B: Backend> Linear<B> {
-    fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
-        be.linear(x, &self.weight, self.bias.as_ref())
-    }
-}
-
+/// Self-attention of one decoder layer: projections, Qwen3's per-head q/k norms, M-RoPE, the KV-pool
+/// write and causal GQA attention over the pool.
 struct Attention<B: Backend> {
     q_proj: Linear<B>,
     k_proj: Linear<B>,
     v_proj: Linear<B>,
     o_proj: Linear<B>,
     /// Per-head RMSNorm weights `[head_dim]` (Qwen3 only).
-    q_norm: Option<B::Weight>,
-    k_norm: Option<B::Weight>,
+    qk_norm: Option<(B::Weight, B::Weight)>,
+    eps: f32,
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
 }
 
-struct Mlp<B: Backend> {
-    gate_proj: Linear<B>,
-    up_proj: Linear<B>,
-    down_proj: Linear<B>,
+impl<B: Backend> Attention<B> {
+    fn load(w: &Weights<B>, cfg: &TextConfig) -> Result<Self> {
+        let (h, d) = (cfg.hidden_size, cfg.head_dim);
+        let (qd, kvd) = (cfg.num_attention_heads * d, cfg.num_key_value_heads * d);
+        let bias = cfg.qkv_bias;
+        let qk_norm = if cfg.qk_norm {
+            Some((w.get("q_norm.weight", &[d])?, w.get("k_norm.weight", &[d])?))
+        } else {
+            None
+        };
+        Ok(Attention {
+            q_proj: Linear::load(&w.pp("q_proj"), qd, h, bias)?,
+            k_proj: Linear::load(&w.pp("k_proj"), kvd, h, bias)?,
+            v_proj: Linear::load(&w.pp("v_proj"), kvd, h, bias)?,
+            o_proj: Linear::load(&w.pp("o_proj"), h, qd, false)?,
+            qk_norm,
+            eps: cfg.rms_norm_eps,
+            q_heads: cfg.num_attention_heads,
+            kv_heads: cfg.num_key_value_heads,
+            head_dim: d,
+        })
+    }
+
+    /// `h`: the normed input rows; writes their K/V into this layer's pools and returns `o_proj` of
+    /// the attention output.
+    fn forward(
+        &self,
+        h: &B::Tensor,
+        (k_pool, v_pool): (&mut B::Tensor, &mut B::Tensor),
+        lora: Option<&LayerLora<B>>,
+        ctx: &StepCtx<'_, B>,
+    ) -> Result<B::Tensor> {
+        let be = ctx.be;
+        let q = self.q_proj.forward(be, h)?;
+        let mut k = self.k_proj.forward(be, h)?;
+        let mut v = self.v_proj.forward(be, h)?;
+        // HGKV: the adapter touches only its rows; with none, its code does not run (exact bypass).
+        if let (Some(l), Some((adapter, rows))) = (lora, ctx.adapter) {
+            let h_rows = be.gather_rows(h, rows)?;
+            if let Some(p) = &l.k {
+                adapter.apply(be, p, &h_rows, &mut k, rows)?;
+            }
+            if let Some(p) = &l.v {
+                adapter.apply(be, p, &h_rows, &mut v, rows)?;
+            }
+        }
+        let norms = self.qk_norm.as_ref().map(|(qn, kn)| (qn, kn, self.eps));
+        let q = be.qk_norm_rope_write(
+            &q,
+            &k,
+            &v,
+            norms,
+            ctx.rope,
+            (&mut *k_pool, &mut *v_pool),
+            ctx.slots,
+        )?;
+        let shape = AttnShape {
+            q_heads: self.q_heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            block_size: ctx.block_size,
+        };
+        let a = be.paged_attention(&q, k_pool, v_pool, shape, ctx.seqs)?;
+        self.o_proj.forward(be, &a)
+    }
 }
 
+/// One decoder layer: RMSNorm → attention → residual, RMSNorm → SwiGLU MLP → residual.
 struct DecoderLayer<B: Backend> {
-    input_layernorm: B::Weight,
+    /// Its index (which of the adapter's layers applies).
+    index: usize,
+    input_layernorm: RmsNorm<B>,
     self_attn: Attention<B>,
-    post_attention_layernorm: B::Weight,
-    mlp: Mlp<B>,
+    post_attention_layernorm: RmsNorm<B>,
+    mlp: SwiGlu<B>,
+}
+
+impl<B: Backend> DecoderLayer<B> {
+    /// Loads `layers.{index}` under `w`.
+    fn load(w: &Weights<B>, cfg: &TextConfig, index: usize) -> Result<Self> {
+        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+        Ok(DecoderLayer {
+            index,
+            input_layernorm: RmsNorm::load(&w.pp("input_layernorm"), h, eps)?,
+            self_attn: Attention::load(&w.pp("self_attn"), cfg)?,
+            post_attention_layernorm: RmsNorm::load(&w.pp("post_attention_layernorm"), h, eps)?,
+            mlp: SwiGlu::load(&w.pp("mlp"), h, cfg.intermediate_size, false)?,
+        })
+    }
+
+    fn forward(&self, x: B::Tensor, pool: &mut KvPool<B>, ctx: &StepCtx<'_, B>) -> Result<B::Tensor> {
+        let be = ctx.be;
+        let h = self.input_layernorm.forward(be, &x)?;
+        let lora = ctx.adapter.and_then(|(a, _)| a.layer(self.index));
+        let kv = (&mut pool.k[self.index], &mut pool.v[self.index]);
+        let o = self.self_attn.forward(&h, kv, lora, ctx)?;
+        let norm = &self.post_attention_layernorm;
+        let (x, h) = be.add_rms_norm(&x, &o, &norm.weight, norm.eps)?;
+        be.add(&x, &self.mlp.forward(be, &h)?)
+    }
+}
+
+/// What every decoder layer of one forward step shares.
+struct StepCtx<'a, B: Backend> {
+    be: &'a B,
+    /// The M-RoPE cos/sin tables of the step's rows, `[rows, head_dim]`.
+    rope: (&'a B::Tensor, &'a B::Tensor),
+    /// Pool row of every new token.
+    slots: &'a [usize],
+    seqs: &'a [PagedSeq<'a>],
+    block_size: usize,
+    /// The adapter and the batch rows it updates; `None` when no row is (the exact bypass).
+    adapter: Option<(&'a Adapter<B>, &'a [usize])>,
 }
 
 /// Keys and values of every layer in a pool of fixed-size blocks. Which block holds which tokens is
@@ -175,50 +272,25 @@ fn text_prefix(ckpt: &Checkpoint) -> &'static str {
     }
 }
 
-/// Loads weights after checking their shapes.
-struct Loader<'a, B: Backend> {
-    be: &'a B,
-    ckpt: &'a Checkpoint,
-}
-
-impl<B: Backend> Loader<'_, B> {
-    fn weight(&self, name: &str, shape: &[usize]) -> Result<B::Weight> {
-        let t = self.ckpt.get(name)?;
-        t.expect_shape(shape)?;
-        self.be.load_weight(t)
-    }
-
-    fn linear(&self, prefix: &str, out: usize, inp: usize, bias: bool) -> Result<Linear<B>> {
-        Ok(Linear {
-            weight: self.weight(&format!("{prefix}.weight"), &[out, inp])?,
-            bias: if bias {
-                Some(self.weight(&format!("{prefix}.bias"), &[out])?)
-            } else {
-                None
-            },
-        })
-    }
-}
-
 impl<B: Backend> TextModel<B> {
     /// Loads the decoder's weights from `ckpt` onto `be`, checking every shape against `cfg`.
     pub fn load(be: &B, cfg: &TextConfig, ckpt: &Checkpoint) -> Result<Self> {
-        let ld = Loader { be, ckpt };
-        let p = text_prefix(ckpt);
+        let root = Weights::new(be, ckpt);
+        let w = root.pp(text_prefix(ckpt));
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
-        let embed_tokens = ld.weight(&format!("{p}.embed_tokens.weight"), &[v, h])?;
+        let embed_tokens = w.get("embed_tokens.weight", &[v, h])?;
         let progress = ProgressBar::new(cfg.num_hidden_layers as u64).with_style(
             ProgressStyle::with_template("loading layers {bar:30} {pos}/{len}")
                 .unwrap_or_else(|_| ProgressStyle::default_bar()),
         );
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
-            layers.push(Self::load_layer(&ld, cfg, &format!("{p}.layers.{i}"))?);
+            layers.push(DecoderLayer::load(&w.pp("layers").pp(i), cfg, i)?);
             progress.inc(1);
         }
         progress.finish_and_clear();
-        let lm_head = if ckpt.contains("lm_head.weight") {
-            Some(ld.weight("lm_head.weight", &[v, h])?)
+        let lm_head = if root.contains("lm_head.weight") {
+            Some(root.get("lm_head.weight", &[v, h])?)
         } else {
             tracing::info!("no lm_head.weight: using tied input embeddings");
             be.prepare_linear(&embed_tokens)?;
@@ -228,34 +300,10 @@ impl<B: Backend> TextModel<B> {
             cfg: cfg.clone(),
             embed_tokens,
             layers,
-            norm: ld.weight(&format!("{p}.norm.weight"), &[h])?,
+            norm: w.get("norm.weight", &[h])?,
             lm_head,
             mrope: MRope::new(cfg),
             adapter: None,
-        })
-    }
-
-    fn load_layer(ld: &Loader<B>, cfg: &TextConfig, p: &str) -> Result<DecoderLayer<B>> {
-        let (h, d) = (cfg.hidden_size, cfg.head_dim);
-        let (qd, kvd) = (cfg.num_attention_heads * d, cfg.num_key_value_heads * d);
-        let bias = cfg.qkv_bias;
-        let norm = |name: &str| ld.weight(&format!("{p}.self_attn.{name}.weight"), &[d]);
-        Ok(DecoderLayer {
-            input_layernorm: ld.weight(&format!("{p}.input_layernorm.weight"), &[h])?,
-            self_attn: Attention {
-                q_proj: ld.linear(&format!("{p}.self_attn.q_proj"), qd, h, bias)?,
-                k_proj: ld.linear(&format!("{p}.self_attn.k_proj"), kvd, h, bias)?,
-                v_proj: ld.linear(&format!("{p}.self_attn.v_proj"), kvd, h, bias)?,
-                o_proj: ld.linear(&format!("{p}.self_attn.o_proj"), h, qd, false)?,
-                q_norm: if cfg.qk_norm { Some(norm("q_norm")?) } else { None },
-                k_norm: if cfg.qk_norm { Some(norm("k_norm")?) } else { None },
-            },
-            post_attention_layernorm: ld.weight(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
-            mlp: Mlp {
-                gate_proj: ld.linear(&format!("{p}.mlp.gate_proj"), cfg.intermediate_size, h, false)?,
-                up_proj: ld.linear(&format!("{p}.mlp.up_proj"), cfg.intermediate_size, h, false)?,
-                down_proj: ld.linear(&format!("{p}.mlp.down_proj"), h, cfg.intermediate_size, false)?,
-            },
         })
     }
 
@@ -305,6 +353,10 @@ impl<B: Backend> TextModel<B> {
     ///
     /// On success the new tokens' K/V are part of the cache; on error the cache's length is unchanged,
     /// so a failed call never leaves half-written state behind.
+    ///
+    /// Why eight arguments: this is the single-sequence entry point that the parity tests, the
+    /// benches and `engine::generate` call positionally, kept as it was when the layers moved to
+    /// their own `forward`s; everything it takes goes straight into one [`BatchItem`].
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
@@ -379,16 +431,24 @@ impl<B: Backend> TextModel<B> {
                 block_table: it.block_table,
             })
             .collect();
+        let ctx = StepCtx {
+            be,
+            rope: (&cos, &sin),
+            slots: &plan.slots,
+            seqs: &seqs,
+            block_size: pool.block_size,
+            adapter: self
+                .adapter
+                .as_ref()
+                .filter(|_| !plan.lora_rows.is_empty())
+                .map(|a| (a, &plan.lora_rows[..])),
+        };
         let mut hidden_states = Vec::new();
         for (i, layer) in self.layers.iter().enumerate() {
             if keep_hidden {
                 hidden_states.push(be.rows(&x, 0, n)?);
             }
-            let lora = self
-                .adapter
-                .as_ref()
-                .and_then(|a| a.layer(i).map(|l| (a, l, &plan.lora_rows[..])));
-            x = self.layer_forward(be, layer, i, x, (&cos, &sin), pool, &plan.slots, &seqs, lora)?;
+            x = layer.forward(x, pool, &ctx)?;
             for (item, &offset) in items.iter().zip(&plan.offsets) {
                 for (v, ds) in item
                     .visual
@@ -445,59 +505,6 @@ impl<B: Backend> TextModel<B> {
                 }
             })
             .collect()
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn layer_forward(
-        &self,
-        be: &B,
-        layer: &DecoderLayer<B>,
-        index: usize,
-        x: B::Tensor,
-        (cos, sin): (&B::Tensor, &B::Tensor),
-        pool: &mut KvPool<B>,
-        slots: &[usize],
-        seqs: &[PagedSeq<'_>],
-        lora: Option<(&Adapter<B>, &LayerLora<B>, &[usize])>,
-    ) -> Result<B::Tensor> {
-        let eps = self.cfg.rms_norm_eps;
-        let attn = &layer.self_attn;
-        let h = be.rms_norm(&x, &layer.input_layernorm, eps)?;
-        let q = attn.q_proj.forward(be, &h)?;
-        let mut k = attn.k_proj.forward(be, &h)?;
-        let mut v = attn.v_proj.forward(be, &h)?;
-        // HGKV: the adapter touches only its rows; with none, its code does not run (exact bypass).
-        if let Some((adapter, l, rows)) = lora.filter(|(_, _, rows)| !rows.is_empty()) {
-            let h_rows = be.gather_rows(&h, rows)?;
-            if let Some(p) = &l.k {
-                adapter.apply(be, p, &h_rows, &mut k, rows)?;
-            }
-            if let Some(p) = &l.v {
-                adapter.apply(be, p, &h_rows, &mut v, rows)?;
-            }
-        }
-        let norms = match (&attn.q_norm, &attn.k_norm) {
-            (Some(qn), Some(kn)) => Some((qn, kn, eps)),
-            _ => None,
-        };
-        let (k_pool, v_pool) = (&mut pool.k[index], &mut pool.v[index]);
-        let q = be.qk_norm_rope_write(&q, &k, &v, norms, (cos, sin), (k_pool, v_pool), slots)?;
-        let shape = AttnShape {
-            q_heads: self.cfg.num_attention_heads,
-            kv_heads: self.cfg.num_key_value_heads,
-            head_dim: self.cfg.head_dim,
-            block_size: pool.block_size,
-        };
-        let a = be.paged_attention(&q, &pool.k[index], &pool.v[index], shape, seqs)?;
-        let (x, h) = be.add_rms_norm(
-            &x,
-            &attn.o_proj.forward(be, &a)?,
-            &layer.post_attention_layernorm,
-            eps,
-        )?;
-        let mlp = &layer.mlp;
-        let g = be.silu_mul(&mlp.gate_proj.forward(be, &h)?, &mlp.up_proj.forward(be, &h)?)?;
-        be.add(&x, &mlp.down_proj.forward(be, &g)?)
     }
 }
 

@@ -6,156 +6,12 @@
 //! (block rows, then block columns, then the patches inside a block row by row). Four consecutive
 //! rows therefore merge into one LLM token.
 
-use std::path::Path;
-
-use serde_json::Value;
-
 use crate::backend::Backend;
+use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
-use crate::model::config::Family;
-use crate::model::loader::Checkpoint;
-
-/// Settings of a vision tower (`vision_config` in config.json).
-#[derive(Debug, Clone, PartialEq)]
-pub struct VisionConfig {
-    pub depth: usize,
-    pub hidden_size: usize,
-    pub intermediate_size: usize,
-    pub num_heads: usize,
-    pub in_channels: usize,
-    pub patch_size: usize,
-    pub temporal_patch_size: usize,
-    pub spatial_merge_size: usize,
-    /// Width of the merged tokens (the decoder's hidden size).
-    pub out_hidden_size: usize,
-    pub rope_theta: f32,
-    /// Qwen3-VL: side² of the learned position-embedding grid.
-    pub num_position_embeddings: usize,
-    /// Qwen3-VL: blocks whose output also feeds a deepstack merger.
-    pub deepstack_visual_indexes: Vec<usize>,
-    /// Qwen2.5-VL: window side in pixels.
-    pub window_size: usize,
-    /// Qwen2.5-VL: blocks with full (not windowed) attention.
-    pub fullatt_block_indexes: Vec<usize>,
-}
-
-impl VisionConfig {
-    /// Parses `vision_config` of the document at `path`.
-    pub fn parse(v: &Value, family: Family, path: &Path) -> Result<Self> {
-        let field = |k: &str| format!("vision_config.{k}");
-        let get = |k: &str| v.get(k).filter(|x| !x.is_null());
-        let uint = |keys: &[&str], default: Option<usize>| -> Result<usize> {
-            for k in keys {
-                if let Some(x) = get(k) {
-                    return x.as_u64().map(|n| n as usize).ok_or_else(|| {
-                        Error::json(
-                            path,
-                            field(k),
-                            format!("expected a non-negative integer, found {x}"),
-                        )
-                    });
-                }
-            }
-            default.ok_or_else(|| Error::json(path, field(keys[0]), "missing"))
-        };
-        let list = |k: &str| -> Result<Vec<usize>> {
-            match get(k) {
-                None => Ok(Vec::new()),
-                Some(x) => x
-                    .as_array()
-                    .and_then(|a| a.iter().map(|n| n.as_u64().map(|n| n as usize)).collect())
-                    .ok_or_else(|| {
-                        Error::json(path, field(k), format!("expected a list of integers, found {x}"))
-                    }),
-            }
-        };
-        let rope_theta = match get("rope_parameters").and_then(|r| r.get("rope_theta")) {
-            Some(t) => t
-                .as_f64()
-                .ok_or_else(|| Error::json(path, field("rope_parameters.rope_theta"), "not a number"))?
-                as f32,
-            None => 10_000.0,
-        };
-        let qwen3 = family == Family::Qwen3Vl;
-        let cfg = VisionConfig {
-            depth: uint(&["depth"], None)?,
-            hidden_size: uint(&["hidden_size", "embed_dim"], None)?,
-            intermediate_size: uint(&["intermediate_size"], None)?,
-            num_heads: uint(&["num_heads"], None)?,
-            in_channels: uint(&["in_channels", "in_chans"], Some(3))?,
-            patch_size: uint(
-                &["patch_size", "spatial_patch_size"],
-                Some(if qwen3 { 16 } else { 14 }),
-            )?,
-            temporal_patch_size: uint(&["temporal_patch_size"], Some(2))?,
-            spatial_merge_size: uint(&["spatial_merge_size"], Some(2))?,
-            out_hidden_size: uint(&["out_hidden_size"], None)?,
-            rope_theta,
-            num_position_embeddings: uint(&["num_position_embeddings"], Some(if qwen3 { 2304 } else { 0 }))?,
-            deepstack_visual_indexes: list("deepstack_visual_indexes")?,
-            window_size: uint(&["window_size"], Some(if qwen3 { 0 } else { 112 }))?,
-            fullatt_block_indexes: list("fullatt_block_indexes")?,
-        };
-        cfg.validate(path)?;
-        Ok(cfg)
-    }
-
-    fn validate(&self, path: &Path) -> Result<()> {
-        let bad = |k: &str, msg: String| Err(Error::json(path, format!("vision_config.{k}"), msg));
-        if self.num_heads == 0
-            || !self.hidden_size.is_multiple_of(self.num_heads)
-            || !(self.hidden_size / self.num_heads).is_multiple_of(4)
-        {
-            return bad(
-                "num_heads",
-                format!(
-                    "{} heads do not split hidden_size {} into a multiple of 4",
-                    self.num_heads, self.hidden_size
-                ),
-            );
-        }
-        if self.spatial_merge_size == 0 || self.patch_size == 0 {
-            return bad(
-                "spatial_merge_size",
-                "patch and merge sizes must be positive".into(),
-            );
-        }
-        if let Some(&i) = self
-            .deepstack_visual_indexes
-            .iter()
-            .chain(&self.fullatt_block_indexes)
-            .find(|&&i| i >= self.depth)
-        {
-            return bad(
-                "deepstack_visual_indexes",
-                format!("block {i} is beyond depth {}", self.depth),
-            );
-        }
-        let side = (self.num_position_embeddings as f64).sqrt() as usize;
-        if self.num_position_embeddings > 0 && side * side != self.num_position_embeddings {
-            return bad(
-                "num_position_embeddings",
-                format!("{} is not a square", self.num_position_embeddings),
-            );
-        }
-        Ok(())
-    }
-
-    /// Head dimension of the vision attention.
-    pub fn head_dim(&self) -> usize {
-        self.hidden_size / self.num_heads
-    }
-
-    /// Length of one flattened patch: channels × temporal × patch × patch.
-    pub fn patch_dim(&self) -> usize {
-        self.in_channels * self.temporal_patch_size * self.patch_size * self.patch_size
-    }
-
-    /// Patches that merge into one LLM token.
-    pub fn merge_unit(&self) -> usize {
-        self.spatial_merge_size * self.spatial_merge_size
-    }
-}
+pub use crate::model::config::VisionConfig;
+use crate::model::layers::Linear;
+use crate::model::weights::Weights;
 
 /// Patch grid of one image: frames × rows × columns of patches.
 pub type GridThw = [usize; 3];
@@ -233,18 +89,6 @@ pub struct VisionOutput<T> {
     pub deepstack: Vec<T>,
 }
 
-/// Loads a weight after checking its shape.
-pub(crate) fn weight<B: Backend>(
-    be: &B,
-    ckpt: &Checkpoint,
-    name: &str,
-    shape: &[usize],
-) -> Result<B::Weight> {
-    let t = ckpt.get(name)?;
-    t.expect_shape(shape)?;
-    be.load_weight(t)
-}
-
 /// Where the vision weights live: `model.visual` (Qwen3-VL, and Qwen2.5-VL saved by recent
 /// transformers) or `visual` (the Qwen2.5-VL hub checkpoints).
 pub(crate) fn vision_prefix(ckpt: &Checkpoint) -> &'static str {
@@ -255,63 +99,66 @@ pub(crate) fn vision_prefix(ckpt: &Checkpoint) -> &'static str {
     }
 }
 
-/// A fused `[3·d, d]` qkv projection split into three views (no copy), with biases.
-pub(crate) struct Qkv<B: Backend> {
-    pub q: (B::Weight, B::Weight),
-    pub k: (B::Weight, B::Weight),
-    pub v: (B::Weight, B::Weight),
+/// The patch embedding: a Conv3d whose stride equals its kernel, read as the matrix
+/// `[hidden, c·t·p·p]` (a view of the checkpoint's `[hidden, c, t, p, p]` kernel, no copy).
+pub(crate) fn patch_embed<B: Backend>(w: &Weights<B>, cfg: &VisionConfig, bias: bool) -> Result<Linear<B>> {
+    let (d, c, t, s) = (
+        cfg.hidden_size,
+        cfg.in_channels,
+        cfg.temporal_patch_size,
+        cfg.patch_size,
+    );
+    let conv = w.tensor("weight", &[d, c, t, s, s])?;
+    Ok(Linear {
+        weight: w.backend().load_weight(&conv.reshaped(&[d, cfg.patch_dim()])?)?,
+        bias: if bias { Some(w.get("bias", &[d])?) } else { None },
+    })
 }
 
-impl<B: Backend> Qkv<B> {
-    pub(crate) fn load(be: &B, ckpt: &Checkpoint, prefix: &str, d: usize) -> Result<Self> {
-        let w = ckpt.get(&format!("{prefix}.weight"))?;
-        w.expect_shape(&[3 * d, d])?;
-        let b = ckpt.get(&format!("{prefix}.bias"))?;
-        b.expect_shape(&[3 * d])?;
-        let part = |i: usize| -> Result<(B::Weight, B::Weight)> {
-            Ok((
-                be.load_weight(&w.slice_rows(i * d, d)?)?,
-                be.load_weight(&b.slice_rows(i * d, d)?)?,
-            ))
-        };
-        Ok(Qkv {
-            q: part(0)?,
-            k: part(1)?,
-            v: part(2)?,
+/// What every block of one vision forward shares.
+pub(crate) struct VisionCtx<'a, B: Backend> {
+    pub be: &'a B,
+    /// The 2-D rotary cos/sin tables of the rows, `[rows, head_dim]`.
+    pub rope: (&'a B::Tensor, &'a B::Tensor),
+    /// Segments of full attention (one per frame).
+    pub cu_full: &'a [usize],
+    /// Segments of windowed attention (Qwen2.5-VL; the same as `cu_full` elsewhere).
+    pub cu_window: &'a [usize],
+}
+
+/// Rotary self-attention within segments: the checkpoint's fused `qkv` `[3·d, d]` runs as one GEMM
+/// whose output is split into q, k and v; `proj` `[d, d]` after.
+pub(crate) struct VisionAttention<B: Backend> {
+    qkv: Linear<B>,
+    proj: Linear<B>,
+    heads: usize,
+    /// Attends over the whole frame rather than within windows.
+    full: bool,
+}
+
+impl<B: Backend> VisionAttention<B> {
+    /// Loads `qkv` and `proj` under `w` (the block's `attn`).
+    pub(crate) fn load(w: &Weights<B>, cfg: &VisionConfig, full: bool) -> Result<Self> {
+        let d = cfg.hidden_size;
+        Ok(VisionAttention {
+            qkv: Linear::load(&w.pp("qkv"), 3 * d, d, true)?,
+            proj: Linear::load(&w.pp("proj"), d, d, true)?,
+            heads: cfg.num_heads,
+            full,
         })
     }
 
-    /// Projects, rotates q and k, and attends within the segments `cu`.
-    pub(crate) fn attend(
-        &self,
-        be: &B,
-        h: &B::Tensor,
-        (cos, sin): (&B::Tensor, &B::Tensor),
-        heads: usize,
-        cu: &[usize],
-    ) -> Result<B::Tensor> {
-        let q = be.rope(&be.linear(h, &self.q.0, Some(&self.q.1))?, cos, sin)?;
-        let k = be.rope(&be.linear(h, &self.k.0, Some(&self.k.1))?, cos, sin)?;
-        let v = be.linear(h, &self.v.0, Some(&self.v.1))?;
-        be.attention_segments(&q, &k, &v, heads, cu)
-    }
-}
-
-/// A linear layer with a bias.
-pub(crate) struct BiasedLinear<B: Backend> {
-    pub weight: B::Weight,
-    pub bias: B::Weight,
-}
-
-impl<B: Backend> BiasedLinear<B> {
-    pub(crate) fn load(be: &B, ckpt: &Checkpoint, prefix: &str, out: usize, inp: usize) -> Result<Self> {
-        Ok(BiasedLinear {
-            weight: weight(be, ckpt, &format!("{prefix}.weight"), &[out, inp])?,
-            bias: weight(be, ckpt, &format!("{prefix}.bias"), &[out])?,
-        })
-    }
-
-    pub(crate) fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
-        be.linear(x, &self.weight, Some(&self.bias))
+    /// `h`: the normed rows; returns `proj` of the attention output.
+    pub(crate) fn forward(&self, h: &B::Tensor, ctx: &VisionCtx<'_, B>) -> Result<B::Tensor> {
+        let be = ctx.be;
+        let (cos, sin) = ctx.rope;
+        let [q, k, v]: [B::Tensor; 3] = be
+            .split_cols(self.qkv.forward(be, h)?, 3)?
+            .try_into()
+            .map_err(|_| Error::InvalidRequest("qkv split into other than three parts".into()))?;
+        let (q, k) = (be.rope(&q, cos, sin)?, be.rope(&k, cos, sin)?);
+        let cu = if self.full { ctx.cu_full } else { ctx.cu_window };
+        let a = be.attention_segments(&q, &k, &v, self.heads, cu)?;
+        self.proj.forward(be, &a)
     }
 }

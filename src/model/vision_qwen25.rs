@@ -10,33 +10,52 @@
 //! mlp.down_proj}`, `merger.ln_q`, `merger.mlp.0`, `merger.mlp.2`.
 
 use crate::backend::{Backend, Gelu};
+use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
-use crate::model::loader::Checkpoint;
+use crate::model::layers::{GeluMlp, Linear, RmsNorm, SwiGlu};
 use crate::model::vision::{
-    check_grids, frame_seqlens, patch_positions, rotary_tables, vision_prefix, weight, BiasedLinear, GridThw,
-    Qkv, VisionConfig, VisionOutput,
+    check_grids, frame_seqlens, patch_embed, patch_positions, rotary_tables, vision_prefix, GridThw,
+    VisionAttention, VisionConfig, VisionCtx, VisionOutput,
 };
+use crate::model::weights::Weights;
 
 const RMS_EPS: f32 = 1e-6;
 
+/// RMSNorm → attention (windowed or full) → residual, RMSNorm → SwiGLU MLP → residual.
 struct Block<B: Backend> {
-    norm1: B::Weight,
-    qkv: Qkv<B>,
-    proj: BiasedLinear<B>,
-    norm2: B::Weight,
-    gate_proj: BiasedLinear<B>,
-    up_proj: BiasedLinear<B>,
-    down_proj: BiasedLinear<B>,
+    norm1: RmsNorm<B>,
+    attn: VisionAttention<B>,
+    norm2: RmsNorm<B>,
+    mlp: SwiGlu<B>,
+}
+
+impl<B: Backend> Block<B> {
+    fn load(w: &Weights<B>, cfg: &VisionConfig, full: bool) -> Result<Self> {
+        let d = cfg.hidden_size;
+        Ok(Block {
+            norm1: RmsNorm::load(&w.pp("norm1"), d, RMS_EPS)?,
+            attn: VisionAttention::load(&w.pp("attn"), cfg, full)?,
+            norm2: RmsNorm::load(&w.pp("norm2"), d, RMS_EPS)?,
+            mlp: SwiGlu::load(&w.pp("mlp"), d, cfg.intermediate_size, true)?,
+        })
+    }
+
+    fn forward(&self, x: B::Tensor, ctx: &VisionCtx<'_, B>) -> Result<B::Tensor> {
+        let be = ctx.be;
+        let a = self.attn.forward(&self.norm1.forward(be, &x)?, ctx)?;
+        let x = be.add(&x, &a)?;
+        let h = self.mlp.forward(be, &self.norm2.forward(be, &x)?)?;
+        be.add(&x, &h)
+    }
 }
 
 /// The Qwen2.5-VL vision tower on backend `B`.
 pub struct Qwen25VisionTower<B: Backend> {
     cfg: VisionConfig,
-    patch_embed: B::Weight,
+    patch_embed: Linear<B>,
     blocks: Vec<Block<B>>,
-    ln_q: B::Weight,
-    merger_fc1: BiasedLinear<B>,
-    merger_fc2: BiasedLinear<B>,
+    ln_q: RmsNorm<B>,
+    merger: GeluMlp<B>,
 }
 
 /// The window reordering of merge blocks and the window boundaries (in patches).
@@ -81,37 +100,21 @@ pub fn window_index(grids: &[GridThw], cfg: &VisionConfig) -> Result<(Vec<usize>
 impl<B: Backend> Qwen25VisionTower<B> {
     /// Loads and shape-checks the tower's weights.
     pub fn load(be: &B, cfg: &VisionConfig, ckpt: &Checkpoint) -> Result<Self> {
-        let p = vision_prefix(ckpt);
-        let (d, inter) = (cfg.hidden_size, cfg.intermediate_size);
-        let conv = ckpt.get(&format!("{p}.patch_embed.proj.weight"))?;
-        let (c, t, s) = (cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size);
-        conv.expect_shape(&[d, c, t, s, s])?;
+        let w = Weights::new(be, ckpt).pp(vision_prefix(ckpt));
+        let (d, merged) = (cfg.hidden_size, cfg.hidden_size * cfg.merge_unit());
+        let patch_embed = patch_embed(&w.pp("patch_embed.proj"), cfg, false)?;
         let blocks = (0..cfg.depth)
-            .map(|i| {
-                let b = format!("{p}.blocks.{i}");
-                Ok(Block {
-                    norm1: weight(be, ckpt, &format!("{b}.norm1.weight"), &[d])?,
-                    qkv: Qkv::load(be, ckpt, &format!("{b}.attn.qkv"), d)?,
-                    proj: BiasedLinear::load(be, ckpt, &format!("{b}.attn.proj"), d, d)?,
-                    norm2: weight(be, ckpt, &format!("{b}.norm2.weight"), &[d])?,
-                    gate_proj: BiasedLinear::load(be, ckpt, &format!("{b}.mlp.gate_proj"), inter, d)?,
-                    up_proj: BiasedLinear::load(be, ckpt, &format!("{b}.mlp.up_proj"), inter, d)?,
-                    down_proj: BiasedLinear::load(be, ckpt, &format!("{b}.mlp.down_proj"), d, inter)?,
-                })
-            })
+            .map(|i| Block::load(&w.pp("blocks").pp(i), cfg, cfg.fullatt_block_indexes.contains(&i)))
             .collect::<Result<_>>()?;
-        let merged = d * cfg.merge_unit();
         Ok(Qwen25VisionTower {
-            patch_embed: be.load_weight(&conv.reshaped(&[d, cfg.patch_dim()])?)?,
+            patch_embed,
             blocks,
-            ln_q: weight(be, ckpt, &format!("{p}.merger.ln_q.weight"), &[d])?,
-            merger_fc1: BiasedLinear::load(be, ckpt, &format!("{p}.merger.mlp.0"), merged, merged)?,
-            merger_fc2: BiasedLinear::load(
-                be,
-                ckpt,
-                &format!("{p}.merger.mlp.2"),
-                cfg.out_hidden_size,
-                merged,
+            ln_q: RmsNorm::load(&w.pp("merger.ln_q"), d, RMS_EPS)?,
+            merger: GeluMlp::load(
+                &w.pp("merger.mlp"),
+                ["0", "2"],
+                [merged, merged, cfg.out_hidden_size],
+                Gelu::Erf,
             )?,
             cfg: cfg.clone(),
         })
@@ -138,29 +141,19 @@ impl<B: Backend> Qwen25VisionTower<B> {
         let sin = be.upload(&sin, positions.len(), cfg.head_dim())?;
         let cu_full = frame_seqlens(grids);
 
-        let mut x = be.gather_rows(&be.linear(pixels, &self.patch_embed, None)?, &order)?;
-        for (i, blk) in self.blocks.iter().enumerate() {
-            let cu = if cfg.fullatt_block_indexes.contains(&i) {
-                &cu_full
-            } else {
-                &cu_window
-            };
-            let h = be.rms_norm(&x, &blk.norm1, RMS_EPS)?;
-            let a = blk.qkv.attend(be, &h, (&cos, &sin), cfg.num_heads, cu)?;
-            x = be.add(&x, &blk.proj.forward(be, &a)?)?;
-            let h = be.rms_norm(&x, &blk.norm2, RMS_EPS)?;
-            let g = be.silu_mul(&blk.gate_proj.forward(be, &h)?, &blk.up_proj.forward(be, &h)?)?;
-            x = be.add(&x, &blk.down_proj.forward(be, &g)?)?;
+        let ctx = VisionCtx {
+            be,
+            rope: (&cos, &sin),
+            cu_full: &cu_full,
+            cu_window: &cu_window,
+        };
+        let mut x = be.gather_rows(&self.patch_embed.forward(be, pixels)?, &order)?;
+        for blk in &self.blocks {
+            x = blk.forward(x, &ctx)?;
         }
         let n = be.dims(&x).0;
-        let h = be.reshape(
-            be.rms_norm(&x, &self.ln_q, RMS_EPS)?,
-            n / unit,
-            cfg.hidden_size * unit,
-        )?;
-        let merged = self
-            .merger_fc2
-            .forward(be, &be.gelu(&self.merger_fc1.forward(be, &h)?, Gelu::Erf)?)?;
+        let h = be.reshape(self.ln_q.forward(be, &x)?, n / unit, cfg.hidden_size * unit)?;
+        let merged = self.merger.forward(be, &h)?;
         // Back from window order to the images' block order.
         let mut reverse = vec![0; windows.len()];
         for (pos, &b) in windows.iter().enumerate() {

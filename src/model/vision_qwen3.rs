@@ -8,40 +8,48 @@
 //! `deepstack_merger_list.{j}.{norm,linear_fc1,linear_fc2}`.
 
 use crate::backend::{Backend, Gelu};
+use crate::checkpoint::Checkpoint;
 use crate::error::Result;
-use crate::model::loader::Checkpoint;
+use crate::model::layers::{GeluMlp, LayerNorm, Linear};
 use crate::model::vision::{
-    check_grids, frame_seqlens, patch_positions, rotary_tables, vision_prefix, weight, BiasedLinear, GridThw,
-    Qkv, VisionConfig, VisionOutput,
+    check_grids, frame_seqlens, patch_embed, patch_positions, rotary_tables, vision_prefix, GridThw,
+    VisionAttention, VisionConfig, VisionCtx, VisionOutput,
 };
+use crate::model::weights::Weights;
 
 const LN_EPS: f32 = 1e-6;
 
-struct LayerNorm<B: Backend> {
-    weight: B::Weight,
-    bias: B::Weight,
+/// LayerNorm → attention → residual, LayerNorm → gelu-tanh MLP → residual.
+struct Block<B: Backend> {
+    norm1: LayerNorm<B>,
+    attn: VisionAttention<B>,
+    norm2: LayerNorm<B>,
+    mlp: GeluMlp<B>,
 }
 
-impl<B: Backend> LayerNorm<B> {
-    fn load(be: &B, ckpt: &Checkpoint, prefix: &str, d: usize) -> Result<Self> {
-        Ok(LayerNorm {
-            weight: weight(be, ckpt, &format!("{prefix}.weight"), &[d])?,
-            bias: weight(be, ckpt, &format!("{prefix}.bias"), &[d])?,
+impl<B: Backend> Block<B> {
+    fn load(w: &Weights<B>, cfg: &VisionConfig) -> Result<Self> {
+        let d = cfg.hidden_size;
+        Ok(Block {
+            norm1: LayerNorm::load(&w.pp("norm1"), d, LN_EPS)?,
+            attn: VisionAttention::load(&w.pp("attn"), cfg, true)?,
+            norm2: LayerNorm::load(&w.pp("norm2"), d, LN_EPS)?,
+            mlp: GeluMlp::load(
+                &w.pp("mlp"),
+                ["linear_fc1", "linear_fc2"],
+                [d, cfg.intermediate_size, d],
+                Gelu::Tanh,
+            )?,
         })
     }
 
-    fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
-        be.layer_norm(x, &self.weight, &self.bias, LN_EPS)
+    fn forward(&self, x: B::Tensor, ctx: &VisionCtx<'_, B>) -> Result<B::Tensor> {
+        let be = ctx.be;
+        let a = self.attn.forward(&self.norm1.forward(be, &x)?, ctx)?;
+        let x = be.add(&x, &a)?;
+        let h = self.mlp.forward(be, &self.norm2.forward(be, &x)?)?;
+        be.add(&x, &h)
     }
-}
-
-struct Block<B: Backend> {
-    norm1: LayerNorm<B>,
-    qkv: Qkv<B>,
-    proj: BiasedLinear<B>,
-    norm2: LayerNorm<B>,
-    fc1: BiasedLinear<B>,
-    fc2: BiasedLinear<B>,
 }
 
 /// Merges 2×2 patches into one token: LayerNorm (before the shuffle for the main merger, after it
@@ -49,24 +57,21 @@ struct Block<B: Backend> {
 struct PatchMerger<B: Backend> {
     norm: LayerNorm<B>,
     postshuffle_norm: bool,
-    fc1: BiasedLinear<B>,
-    fc2: BiasedLinear<B>,
+    mlp: GeluMlp<B>,
 }
 
 impl<B: Backend> PatchMerger<B> {
-    fn load(be: &B, ckpt: &Checkpoint, prefix: &str, cfg: &VisionConfig, postshuffle: bool) -> Result<Self> {
+    fn load(w: &Weights<B>, cfg: &VisionConfig, postshuffle: bool) -> Result<Self> {
         let merged = cfg.hidden_size * cfg.merge_unit();
         let norm_dim = if postshuffle { merged } else { cfg.hidden_size };
         Ok(PatchMerger {
-            norm: LayerNorm::load(be, ckpt, &format!("{prefix}.norm"), norm_dim)?,
+            norm: LayerNorm::load(&w.pp("norm"), norm_dim, LN_EPS)?,
             postshuffle_norm: postshuffle,
-            fc1: BiasedLinear::load(be, ckpt, &format!("{prefix}.linear_fc1"), merged, merged)?,
-            fc2: BiasedLinear::load(
-                be,
-                ckpt,
-                &format!("{prefix}.linear_fc2"),
-                cfg.out_hidden_size,
-                merged,
+            mlp: GeluMlp::load(
+                w,
+                ["linear_fc1", "linear_fc2"],
+                [merged, merged, cfg.out_hidden_size],
+                Gelu::Erf,
             )?,
         })
     }
@@ -79,15 +84,14 @@ impl<B: Backend> PatchMerger<B> {
         } else {
             be.reshape(self.norm.forward(be, x)?, n / unit, d * unit)?
         };
-        let h = be.gelu(&self.fc1.forward(be, &x)?, Gelu::Erf)?;
-        self.fc2.forward(be, &h)
+        self.mlp.forward(be, &x)
     }
 }
 
 /// The Qwen3-VL vision tower on backend `B`.
 pub struct Qwen3VisionTower<B: Backend> {
     cfg: VisionConfig,
-    patch_embed: BiasedLinear<B>,
+    patch_embed: Linear<B>,
     pos_embed: B::Weight,
     blocks: Vec<Block<B>>,
     merger: PatchMerger<B>,
@@ -97,51 +101,20 @@ pub struct Qwen3VisionTower<B: Backend> {
 impl<B: Backend> Qwen3VisionTower<B> {
     /// Loads and shape-checks the tower's weights.
     pub fn load(be: &B, cfg: &VisionConfig, ckpt: &Checkpoint) -> Result<Self> {
-        let p = vision_prefix(ckpt);
-        let (d, pd) = (cfg.hidden_size, cfg.patch_dim());
-        let conv = ckpt.get(&format!("{p}.patch_embed.proj.weight"))?;
-        let (c, t, s) = (cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size);
-        conv.expect_shape(&[d, c, t, s, s])?;
-        let patch_embed = BiasedLinear {
-            weight: be.load_weight(&conv.reshaped(&[d, pd])?)?,
-            bias: weight(be, ckpt, &format!("{p}.patch_embed.proj.bias"), &[d])?,
-        };
+        let w = Weights::new(be, ckpt).pp(vision_prefix(ckpt));
+        let patch_embed = patch_embed(&w.pp("patch_embed.proj"), cfg, true)?;
         let blocks = (0..cfg.depth)
-            .map(|i| {
-                let b = format!("{p}.blocks.{i}");
-                Ok(Block {
-                    norm1: LayerNorm::load(be, ckpt, &format!("{b}.norm1"), d)?,
-                    qkv: Qkv::load(be, ckpt, &format!("{b}.attn.qkv"), d)?,
-                    proj: BiasedLinear::load(be, ckpt, &format!("{b}.attn.proj"), d, d)?,
-                    norm2: LayerNorm::load(be, ckpt, &format!("{b}.norm2"), d)?,
-                    fc1: BiasedLinear::load(
-                        be,
-                        ckpt,
-                        &format!("{b}.mlp.linear_fc1"),
-                        cfg.intermediate_size,
-                        d,
-                    )?,
-                    fc2: BiasedLinear::load(
-                        be,
-                        ckpt,
-                        &format!("{b}.mlp.linear_fc2"),
-                        d,
-                        cfg.intermediate_size,
-                    )?,
-                })
-            })
+            .map(|i| Block::load(&w.pp("blocks").pp(i), cfg))
             .collect::<Result<_>>()?;
         let deepstack_mergers = (0..cfg.deepstack_visual_indexes.len())
-            .map(|j| PatchMerger::load(be, ckpt, &format!("{p}.deepstack_merger_list.{j}"), cfg, true))
+            .map(|j| PatchMerger::load(&w.pp("deepstack_merger_list").pp(j), cfg, true))
             .collect::<Result<_>>()?;
         Ok(Qwen3VisionTower {
-            pos_embed: weight(
-                be,
-                ckpt,
-                &format!("{p}.pos_embed.weight"),
-                &[cfg.num_position_embeddings, d],
+            pos_embed: w.get(
+                "pos_embed.weight",
+                &[cfg.num_position_embeddings, cfg.hidden_size],
             )?,
-            merger: PatchMerger::load(be, ckpt, &format!("{p}.merger"), cfg, false)?,
+            merger: PatchMerger::load(&w.pp("merger"), cfg, false)?,
             cfg: cfg.clone(),
             patch_embed,
             blocks,
@@ -162,14 +135,15 @@ impl<B: Backend> Qwen3VisionTower<B> {
         let cos = be.upload(&cos, positions.len(), cfg.head_dim())?;
         let sin = be.upload(&sin, positions.len(), cfg.head_dim())?;
         let cu = frame_seqlens(grids);
+        let ctx = VisionCtx {
+            be,
+            rope: (&cos, &sin),
+            cu_full: &cu,
+            cu_window: &cu,
+        };
         let mut deepstack = Vec::new();
         for (i, blk) in self.blocks.iter().enumerate() {
-            let a = blk
-                .qkv
-                .attend(be, &blk.norm1.forward(be, &x)?, (&cos, &sin), cfg.num_heads, &cu)?;
-            x = be.add(&x, &blk.proj.forward(be, &a)?)?;
-            let h = be.gelu(&blk.fc1.forward(be, &blk.norm2.forward(be, &x)?)?, Gelu::Tanh)?;
-            x = be.add(&x, &blk.fc2.forward(be, &h)?)?;
+            x = blk.forward(x, &ctx)?;
             if let Some(j) = cfg.deepstack_visual_indexes.iter().position(|&k| k == i) {
                 deepstack.push(self.deepstack_mergers[j].forward(be, &x, cfg.merge_unit())?);
             }

@@ -26,7 +26,7 @@ use axum::Json;
 use serde_json::{json, Map, Value};
 use tokio::sync::{oneshot, watch, OwnedMutexGuard};
 
-use crate::agent::action::{parse_response, Platform};
+use crate::action::{parse_response, Platform};
 use crate::agent::causalcache::{
     make_policy, two_pass_step, EpisodeMemo, PolicyChoice, StepReport, TwoPassConfig,
 };
@@ -337,47 +337,98 @@ async fn create_inner(app: &Arc<AppState>, body: &[u8]) -> Result<Response, ApiE
     Ok((StatusCode::CREATED, Json(body)).into_response())
 }
 
-fn parse_config(app: &AppState, obj: &Map<String, Value>) -> Result<EpisodeConfig, ApiError> {
-    const KNOWN: &[&str] = &[
-        "instruction",
-        "platform",
-        "protocol",
-        "method",
-        "budget",
-        "policy",
-        "mode",
-        "max_replacements",
-        "seed",
-        "max_tokens",
-        "draft",
-        "adapter",
-        "placement",
-    ];
-    for key in obj.keys().filter(|k| !KNOWN.contains(&k.as_str())) {
-        tracing::warn!("ignoring unknown episode field `{key}`");
-    }
-    let string = |key: &str| -> Result<Option<&str>, ApiError> {
-        match obj.get(key) {
+/// The fields a `POST /v1/episodes` body may hold; others are ignored with a warning.
+const EPISODE_FIELDS: &[&str] = &[
+    "instruction",
+    "platform",
+    "protocol",
+    "method",
+    "budget",
+    "policy",
+    "mode",
+    "max_replacements",
+    "seed",
+    "max_tokens",
+    "draft",
+    "adapter",
+    "placement",
+];
+
+/// Typed access to the members of an episode request body (`null` reads as absent).
+#[derive(Clone, Copy)]
+struct Fields<'a>(&'a Map<String, Value>);
+
+impl<'a> Fields<'a> {
+    fn string(self, key: &str) -> Result<Option<&'a str>, ApiError> {
+        match self.0.get(key) {
             None | Some(Value::Null) => Ok(None),
             Some(Value::String(s)) => Ok(Some(s)),
             Some(_) => Err(ApiError::bad(key, format!("`{key}` must be a string"))),
         }
-    };
-    let uint = |key: &str| -> Result<Option<u64>, ApiError> {
-        match obj.get(key) {
+    }
+
+    fn uint(self, key: &str) -> Result<Option<u64>, ApiError> {
+        match self.0.get(key) {
             None | Some(Value::Null) => Ok(None),
             Some(v) => v
                 .as_u64()
                 .map(Some)
                 .ok_or_else(|| ApiError::bad(key, format!("`{key}` must be a non-negative integer"))),
         }
-    };
-    let parsed = |key: &str, e: crate::Error| ApiError::bad(key, e.to_string());
-    let instruction = string("instruction")?
+    }
+
+    /// The string member `key` parsed with [`FromStr`](std::str::FromStr), if present.
+    fn parsed<T: std::str::FromStr<Err = crate::Error>>(self, key: &str) -> Result<Option<T>, ApiError> {
+        self.string(key)?
+            .map(|v| v.parse::<T>().map_err(|e| ApiError::bad(key, e.to_string())))
+            .transpose()
+    }
+}
+
+fn parse_config(app: &AppState, obj: &Map<String, Value>) -> Result<EpisodeConfig, ApiError> {
+    for key in obj.keys().filter(|k| !EPISODE_FIELDS.contains(&k.as_str())) {
+        tracing::warn!("ignoring unknown episode field `{key}`");
+    }
+    let fields = Fields(obj);
+    let instruction = fields
+        .string("instruction")?
         .filter(|s| !s.trim().is_empty())
         .ok_or_else(|| ApiError::bad("instruction", "`instruction` is required (a non-empty string)"))?
         .to_string();
-    let platform = match string("platform")? {
+    let (platform, protocol) = parse_platform_protocol(fields)?;
+    let method = parse_method(app, fields)?;
+    let policy_name = parse_policy_name(app, fields, method)?;
+    let mode = fields.parsed::<Mode>("mode")?.unwrap_or(Mode::Paper);
+    let max_tokens = parse_max_tokens(app, fields)?;
+    let adapter = parse_adapter(app, fields)?;
+    let draft = match obj.get("draft") {
+        None | Some(Value::Null) => true,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(ApiError::bad("draft", "`draft` must be a boolean")),
+    };
+    Ok(EpisodeConfig {
+        instruction,
+        platform,
+        protocol,
+        method,
+        budget: fields.uint("budget")?.unwrap_or(4) as usize,
+        policy: PolicyChoice {
+            name: policy_name,
+            selector: app.selector.clone(),
+            mode,
+            max_replacements: fields.uint("max_replacements")?.map(|n| n as usize),
+            seed: fields.uint("seed")?.unwrap_or(0),
+        },
+        max_tokens,
+        draft,
+        adapter,
+        placement: fields.parsed::<Placement>("placement")?.unwrap_or_default(),
+    })
+}
+
+/// `platform` and `protocol`, either implying the other (mobile when neither is given); they must agree.
+fn parse_platform_protocol(fields: Fields<'_>) -> Result<(Platform, Protocol), ApiError> {
+    let platform = match fields.string("platform")? {
         None => None,
         Some(p) => Some(Platform::from_name(p).ok_or_else(|| {
             ApiError::bad(
@@ -386,26 +437,26 @@ fn parse_config(app: &AppState, obj: &Map<String, Value>) -> Result<EpisodeConfi
             )
         })?),
     };
-    let protocol = string("protocol")?
-        .map(|p| p.parse::<Protocol>().map_err(|e| parsed("protocol", e)))
-        .transpose()?;
-    let (platform, protocol) = match (platform, protocol) {
-        (None, None) => (Platform::Mobile, Protocol::Mobile),
-        (Some(pl), None) => (pl, Protocol::for_platform(pl)),
-        (None, Some(pr)) => (pr.platform(), pr),
-        (Some(pl), Some(pr)) if pr.platform() == pl => (pl, pr),
-        (Some(pl), Some(pr)) => {
-            return Err(ApiError::bad(
-                "protocol",
-                format!(
-                    "protocol `{}` is for {}, not {pl}",
-                    protocol_name(pr),
-                    pr.platform()
-                ),
-            ))
-        }
-    };
-    let method = match string("method")?.unwrap_or("causalcache") {
+    let protocol = fields.parsed::<Protocol>("protocol")?;
+    match (platform, protocol) {
+        (None, None) => Ok((Platform::Mobile, Protocol::Mobile)),
+        (Some(pl), None) => Ok((pl, Protocol::for_platform(pl))),
+        (None, Some(pr)) => Ok((pr.platform(), pr)),
+        (Some(pl), Some(pr)) if pr.platform() == pl => Ok((pl, pr)),
+        (Some(pl), Some(pr)) => Err(ApiError::bad(
+            "protocol",
+            format!(
+                "protocol `{}` is for {}, not {pl}",
+                protocol_name(pr),
+                pr.platform()
+            ),
+        )),
+    }
+}
+
+/// `method` (default `causalcache`); `scopemem` needs the server's encoder.
+fn parse_method(app: &AppState, fields: Fields<'_>) -> Result<Method, ApiError> {
+    let method = match fields.string("method")?.unwrap_or("causalcache") {
         "causalcache" => Method::CausalCache,
         "scopemem" => Method::ScopeMem,
         "single" => Method::Single,
@@ -422,13 +473,19 @@ fn parse_config(app: &AppState, obj: &Map<String, Value>) -> Result<EpisodeConfi
             "`method: scopemem` needs an encoder: start the server with --encoder DIR",
         ));
     }
+    Ok(method)
+}
+
+/// The allocation policy's name: `policy` for CausalCache (default `selector` when the server has a
+/// scorer, else `recent`), `recent` for the other methods. The scored policies need the scorer.
+fn parse_policy_name(app: &AppState, fields: Fields<'_>, method: Method) -> Result<String, ApiError> {
     let default_policy = if app.selector.is_some() {
         "selector"
     } else {
         "recent"
     };
     let policy_name = match method {
-        Method::CausalCache => string("policy")?.unwrap_or(default_policy).to_string(),
+        Method::CausalCache => fields.string("policy")?.unwrap_or(default_policy).to_string(),
         Method::Single | Method::ScopeMem => "recent".to_string(),
     };
     if matches!(policy_name.as_str(), "selector" | "inverted") && app.selector.is_none() {
@@ -437,21 +494,29 @@ fn parse_config(app: &AppState, obj: &Map<String, Value>) -> Result<EpisodeConfi
             format!("`policy: {policy_name}` needs a scorer: start the server with --selector FILE"),
         ));
     }
-    let mode = string("mode")?
-        .map(|m| m.parse::<Mode>().map_err(|e| parsed("mode", e)))
-        .transpose()?
-        .unwrap_or(Mode::Paper);
-    let max_tokens = uint("max_tokens")?.unwrap_or(256) as usize;
+    Ok(policy_name)
+}
+
+/// `max_tokens` (default 256), in `1..max_context`.
+fn parse_max_tokens(app: &AppState, fields: Fields<'_>) -> Result<usize, ApiError> {
+    let max_tokens = fields.uint("max_tokens")?.unwrap_or(256) as usize;
     if max_tokens == 0 || max_tokens >= app.engine.info.max_context {
         return Err(ApiError::bad(
             "max_tokens",
             format!("`max_tokens` must be in 1..{}", app.engine.info.max_context),
         ));
     }
-    let adapter = match string("adapter")? {
+    Ok(max_tokens)
+}
+
+/// `adapter` (default: the server's mode, else off); only `off` on a server without an adapter.
+fn parse_adapter(app: &AppState, fields: Fields<'_>) -> Result<AdapterMode, ApiError> {
+    Ok(match fields.string("adapter")? {
         None => app.engine.info.adapter.unwrap_or(AdapterMode::Off),
         Some(a) => {
-            let mode: AdapterMode = a.parse().map_err(|e| parsed("adapter", e))?;
+            let mode: AdapterMode = a
+                .parse()
+                .map_err(|e: crate::Error| ApiError::bad("adapter", e.to_string()))?;
             if mode != AdapterMode::Off && app.engine.info.adapter.is_none() {
                 return Err(ApiError::bad(
                     "adapter",
@@ -460,32 +525,6 @@ fn parse_config(app: &AppState, obj: &Map<String, Value>) -> Result<EpisodeConfi
             }
             mode
         }
-    };
-    let draft = match obj.get("draft") {
-        None | Some(Value::Null) => true,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(ApiError::bad("draft", "`draft` must be a boolean")),
-    };
-    Ok(EpisodeConfig {
-        instruction,
-        platform,
-        protocol,
-        method,
-        budget: uint("budget")?.unwrap_or(4) as usize,
-        policy: PolicyChoice {
-            name: policy_name,
-            selector: app.selector.clone(),
-            mode,
-            max_replacements: uint("max_replacements")?.map(|n| n as usize),
-            seed: uint("seed")?.unwrap_or(0),
-        },
-        max_tokens,
-        draft,
-        adapter,
-        placement: string("placement")?
-            .map(|p| p.parse::<Placement>().map_err(|e| parsed("placement", e)))
-            .transpose()?
-            .unwrap_or_default(),
     })
 }
 

@@ -98,7 +98,7 @@ impl ApiError {
             }
             Error::InvalidRequest(m) | Error::Tokenizer(m) => Self::bad(param, m.clone()),
             Error::Cancelled => Self::unavailable("the request was cancelled (the server is shutting down)"),
-            Error::Cuda(_) | Error::Io { .. } => Self::internal(e.to_string()),
+            Error::Cuda(_) | Error::Io { .. } | Error::Shape { .. } => Self::internal(e.to_string()),
             _ => Self::bad(param, e.to_string()),
         }
     }

@@ -187,6 +187,30 @@ pub fn parse_chat_request(
         tracing::warn!("ignoring unknown request field `{key}`");
     }
     let f = Fields(obj);
+    check_model(&f, model_name)?;
+    let messages = parse_request_messages(&f)?;
+    let image_params = image_params(&messages);
+    check_unsupported(&f)?;
+    let max_tokens = parse_max_tokens(&f)?;
+    let stop = parse_stop(&f)?;
+    let sampling = parse_sampling(&f, defaults)?;
+    let logprobs = parse_logprobs(&f)?;
+    let (stream, include_usage) = parse_stream(&f)?;
+    Ok(ChatRequest {
+        messages,
+        image_params,
+        max_tokens,
+        stop,
+        sampling,
+        logprobs,
+        token_ids_as_tokens: f.boolean("return_tokens_as_token_ids")?.unwrap_or(false),
+        stream,
+        include_usage,
+    })
+}
+
+/// `model`, when given, must name the served model.
+fn check_model(f: &Fields<'_>, model_name: &str) -> Result<(), ApiError> {
     if let Some(model) = f.string("model")? {
         if model != model_name {
             return Err(ApiError::not_found(format!(
@@ -195,6 +219,11 @@ pub fn parse_chat_request(
             .with_code("model_not_found"));
         }
     }
+    Ok(())
+}
+
+/// `messages`: required and non-empty.
+fn parse_request_messages(f: &Fields<'_>) -> Result<Vec<ChatMessage>, ApiError> {
     let messages_value = f
         .get("messages")
         .ok_or_else(|| ApiError::bad("messages", "`messages` is required"))?;
@@ -203,8 +232,11 @@ pub fn parse_chat_request(
     if messages.is_empty() {
         return Err(ApiError::bad("messages", "`messages` must not be empty"));
     }
-    let image_params = image_params(&messages);
-    check_unsupported(&f)?;
+    Ok(messages)
+}
+
+/// `max_completion_tokens`, else `max_tokens`: at least 1 when given.
+fn parse_max_tokens(f: &Fields<'_>) -> Result<Option<usize>, ApiError> {
     let max_tokens = match (f.uint("max_completion_tokens")?, f.uint("max_tokens")?) {
         (Some(n), _) => Some(("max_completion_tokens", n)),
         (None, Some(n)) => Some(("max_tokens", n)),
@@ -213,7 +245,12 @@ pub fn parse_chat_request(
     if let Some((key, 0)) = max_tokens {
         return Err(ApiError::bad(key, format!("`{key}` must be at least 1")));
     }
-    let stop = match f.get("stop") {
+    Ok(max_tokens.map(|(_, n)| n as usize))
+}
+
+/// `stop`: a string or an array of strings, none empty.
+fn parse_stop(f: &Fields<'_>) -> Result<Vec<String>, ApiError> {
+    let stop: Vec<String> = match f.get("stop") {
         None => Vec::new(),
         Some(Value::String(s)) => vec![s.clone()],
         Some(Value::Array(a)) => a
@@ -238,6 +275,11 @@ pub fn parse_chat_request(
     if stop.iter().any(String::is_empty) {
         return Err(ApiError::bad("stop", "`stop` strings must not be empty"));
     }
+    Ok(stop)
+}
+
+/// `temperature` in [0, 2], `top_p` in (0, 1], `top_k` (≤ 0: no cut) and `seed`, over the defaults.
+fn parse_sampling(f: &Fields<'_>, defaults: &SamplingDefaults) -> Result<Sampling, ApiError> {
     let temperature = f.num("temperature")?.map_or(defaults.temperature, |t| t as f32);
     if !(0.0..=2.0).contains(&temperature) {
         return Err(ApiError::bad(
@@ -258,6 +300,17 @@ pub fn parse_chat_request(
         Some(k) => k as usize,
     };
     let seed = f.int("seed")?.map(|s| s as u64);
+    Ok(Sampling {
+        temperature,
+        top_p,
+        top_k,
+        seed,
+    })
+}
+
+/// `logprobs` and `top_logprobs` (at most [`MAX_TOP_LOGPROBS`], only with `logprobs: true`): the
+/// number of alternatives to report, `None` without `logprobs`.
+fn parse_logprobs(f: &Fields<'_>) -> Result<Option<usize>, ApiError> {
     let logprobs = f.boolean("logprobs")?.unwrap_or(false);
     let top = f.uint("top_logprobs")?;
     if top.is_some_and(|n| n > MAX_TOP_LOGPROBS) {
@@ -272,6 +325,11 @@ pub fn parse_chat_request(
             "`top_logprobs` needs `logprobs: true`",
         ));
     }
+    Ok(logprobs.then(|| top.unwrap_or(0) as usize))
+}
+
+/// `stream` and `stream_options.include_usage` (`stream_options` only with `stream: true`).
+fn parse_stream(f: &Fields<'_>) -> Result<(bool, bool), ApiError> {
     let stream = f.boolean("stream")?.unwrap_or(false);
     let include_usage = match f.get("stream_options") {
         None => false,
@@ -297,22 +355,7 @@ pub fn parse_chat_request(
             ))
         }
     };
-    Ok(ChatRequest {
-        messages,
-        image_params,
-        max_tokens: max_tokens.map(|(_, n)| n as usize),
-        stop,
-        sampling: Sampling {
-            temperature,
-            top_p,
-            top_k,
-            seed,
-        },
-        logprobs: logprobs.then(|| top.unwrap_or(0) as usize),
-        token_ids_as_tokens: f.boolean("return_tokens_as_token_ids")?.unwrap_or(false),
-        stream,
-        include_usage,
-    })
+    Ok((stream, include_usage))
 }
 
 /// Known fields this server does not implement: refused unless they ask for nothing.

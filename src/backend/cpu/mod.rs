@@ -18,8 +18,8 @@ use rayon::prelude::*;
 
 use super::check::{self, shape_err};
 use super::{AttnShape, Backend, Gelu, OpTime, PagedSeq};
+use crate::checkpoint::{Dtype, MappedFile, TensorRef};
 use crate::error::{Error, Result};
-use crate::model::loader::{Dtype, MappedFile, TensorRef};
 
 /// Activations on the CPU: row-major f32.
 #[derive(Debug, Clone, PartialEq)]
@@ -113,6 +113,13 @@ impl CpuWeight {
             storage,
             packed: OnceLock::new(),
         }
+    }
+
+    /// The GEMM panels [`Backend::linear`] multiplies a 2-D weight with (packed on first use; `None`
+    /// for other ranks), so that [`gemm::gemm_with`] can run them on a chosen instruction set (the
+    /// kernel benchmark's CPU GEMM versions, `crate::kernel_bench`).
+    pub fn gemm_panels(&self) -> Option<&gemm::Packed> {
+        (self.shape.len() == 2).then(|| self.packed())
     }
 
     /// The weight `[n, k]` as GEMM panels, packed on first use (in its stored element type).
@@ -535,5 +542,31 @@ impl Backend for CpuBackend {
 
     fn take_profile(&self) -> Result<Vec<OpTime>> {
         Ok(profile::take())
+    }
+}
+
+#[cfg(test)]
+mod split_tests {
+    use super::*;
+
+    /// `split_cols` (the trait's default, built from `reshape` and `gather_rows`) returns exactly the
+    /// column blocks: checked against slicing the rows by hand.
+    #[test]
+    fn split_cols_is_the_column_blocks() {
+        let (rows, cols, parts) = (5, 12, 3);
+        let data: Vec<f32> = (0..rows * cols).map(|i| i as f32 * 0.5 - 7.0).collect();
+        let x = CpuBackend.upload(&data, rows, cols).unwrap();
+        let split = CpuBackend.split_cols(x, parts).unwrap();
+        let w = cols / parts;
+        for (j, part) in split.iter().enumerate() {
+            let want: Vec<f32> = (0..rows)
+                .flat_map(|r| data[r * cols + j * w..r * cols + (j + 1) * w].to_vec())
+                .collect();
+            assert_eq!((part.rows, part.cols), (rows, w));
+            assert_eq!(part.data, want, "part {j}");
+        }
+        let odd = CpuBackend.upload(&[0.0; 10], 2, 5).unwrap();
+        let err = CpuBackend.split_cols(odd, 3).unwrap_err();
+        assert!(matches!(err, Error::Shape { .. }), "{err}");
     }
 }

@@ -1,0 +1,267 @@
+//! Composition: the [`Mode`]s, their options and result, and the dispatch to each mode.
+
+use super::greedy::greedy;
+use super::paper::paper;
+use super::reference::reference;
+use super::{recent_b, DecisionContext, FeatureContext, MarginalModel, DEFAULT_BEAM};
+use crate::error::Result;
+
+/// How [`compose`] builds the set. All three are exact-`B`; [`compose_with`] has the details.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Mode {
+    /// The paper: a small beam over sequences of swaps, initialized at Recent-B. An older event
+    /// enters only by beating the predicted marginal of the recent event it evicts; declining every
+    /// swap returns Recent-B exactly.
+    Paper,
+    /// A single greedy swap loop from Recent-B: each step evicts the weakest recent event and admits
+    /// the strongest challenger if it beats it (the paper's rule without the beam).
+    Greedy,
+    /// The authors' code: beam search from the empty set over the deduplicated pool.
+    Reference,
+}
+
+impl Mode {
+    /// The name [`FromStr`](std::str::FromStr) accepts: `paper`, `greedy` or `reference`.
+    ///
+    /// ```
+    /// use recall::memory::selector::Mode;
+    /// for mode in [Mode::Paper, Mode::Greedy, Mode::Reference] {
+    ///     assert_eq!(mode.as_str().parse::<Mode>()?, mode);
+    /// }
+    /// assert!("beam".parse::<Mode>().is_err());
+    /// # Ok::<(), recall::Error>(())
+    /// ```
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Paper => "paper",
+            Mode::Greedy => "greedy",
+            Mode::Reference => "reference",
+        }
+    }
+}
+
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for Mode {
+    type Err = crate::Error;
+
+    /// `paper`, `greedy` or `reference`.
+    fn from_str(s: &str) -> crate::Result<Self> {
+        match s {
+            "paper" => Ok(Mode::Paper),
+            "greedy" => Ok(Mode::Greedy),
+            "reference" => Ok(Mode::Reference),
+            other => Err(crate::Error::InvalidRequest(format!(
+                "selector mode `{other}`: expected paper, greedy or reference"
+            ))),
+        }
+    }
+}
+
+/// Options of [`compose_with`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ComposeOptions {
+    pub mode: Mode,
+    /// The most chosen events outside Recent-B (`k`), in every mode. Paper: the most beam rounds
+    /// (each round adds one swap, i.e. one entered event, to every path), default `B`. Greedy: the
+    /// most swaps, default `B`. Reference: children with more pool events outside Recent-B are
+    /// dropped, default unlimited. `Some(0)` gives Recent-B in every mode.
+    pub max_replacements: Option<usize>,
+    /// Paper mode: sets kept per round. Reference mode: sets kept per level. At least 1.
+    pub beam_width: usize,
+    /// Reference mode only: children kept per parent (by predicted marginal). At least 1.
+    pub children_per_parent: usize,
+}
+
+impl ComposeOptions {
+    /// Defaults for `mode`: beam 3, 3 children per parent, the mode's default replacement cap.
+    pub fn new(mode: Mode) -> Self {
+        ComposeOptions {
+            mode,
+            max_replacements: None,
+            beam_width: DEFAULT_BEAM,
+            children_per_parent: DEFAULT_BEAM,
+        }
+    }
+}
+
+/// One accepted swap of [`Mode::Paper`] or [`Mode::Greedy`], where `S` is the set it was made from.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Swap {
+    /// The recent event that lost its image.
+    pub evicted: usize,
+    /// The older event that gained one.
+    pub entered: usize,
+    /// `Δ̂(evicted | S ∖ {evicted})`.
+    pub evicted_marginal: f32,
+    /// `Δ̂(entered | S ∖ {evicted})`.
+    pub entered_marginal: f32,
+}
+
+impl Swap {
+    /// `entered_marginal − evicted_marginal` in f64: what the swap adds to [`Allocation::score`].
+    pub fn gain(&self) -> f64 {
+        self.entered_marginal as f64 - self.evicted_marginal as f64
+    }
+}
+
+/// The result of [`compose`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Allocation {
+    /// Chosen steps, ascending; `min(B, #events)` of them.
+    pub steps: Vec<usize>,
+    /// Number of chosen steps outside Recent-B (in paper and greedy mode, `swaps.len()`).
+    pub k: usize,
+    /// Recent-B, for reference.
+    pub recent: Vec<usize>,
+    /// Reference mode: the accumulated predicted marginal of the chosen beam path. Paper and greedy
+    /// mode: the gains ([`Swap::gain`]) of `swaps` summed in order in f64, starting from 0. 0 on
+    /// fallback.
+    pub score: f64,
+    /// Paper and greedy mode: the accepted swaps of the returned path, in order.
+    pub swaps: Vec<Swap>,
+    /// Recent-B was returned because the pool had fewer than `B` candidates (or the beam could not
+    /// fill `B` slots under `max_replacements`). Reference mode only.
+    pub fell_back: bool,
+}
+
+impl Allocation {
+    pub(super) fn recent(recent: Vec<usize>) -> Self {
+        Allocation {
+            steps: recent.clone(),
+            k: 0,
+            recent,
+            score: 0.0,
+            swaps: Vec::new(),
+            fell_back: true,
+        }
+    }
+}
+
+/// Composes an exact-`B` allocation with default beam settings. See [`compose_with`].
+///
+/// ```
+/// # use recall::memory::selector::*;
+/// let ev = |step| EventInfo {
+///     step, image_hash: step as u64, next_bucket: ActionBucket::Click, next_point: None,
+///     witness: step == 2,
+/// };
+/// let ctx = DecisionContext { t: 10, reference_point: None, events: (1..10).map(ev).collect() };
+/// // A model that values witnesses, then recency: step 2 displaces the recent event with the
+/// // lowest marginal (step 7), and no other older event beats a recent one.
+/// let model = |f: &[f32; 28]| f[10] * 5.0 - f[0] * 0.01;
+/// for mode in [Mode::Paper, Mode::Greedy] {
+///     let a = compose(&ctx, 3, &model, mode, None)?;
+///     assert_eq!(a.steps, vec![2, 8, 9]);
+///     assert_eq!(a.k, 1);
+///     assert_eq!((a.swaps[0].evicted, a.swaps[0].entered), (7, 2));
+/// }
+/// // Declining every swap (no older event can win) recovers Recent-B exactly.
+/// let a = compose(&ctx, 3, &|f: &[f32; 28]| -f[0], Mode::Paper, None)?;
+/// assert_eq!((a.steps, a.k), (vec![7, 8, 9], 0));
+/// # Ok::<(), recall::Error>(())
+/// ```
+pub fn compose<M: MarginalModel + ?Sized>(
+    ctx: &DecisionContext,
+    budget: usize,
+    scorer: &M,
+    mode: Mode,
+    max_replacements: Option<usize>,
+) -> Result<Allocation> {
+    let options = ComposeOptions {
+        max_replacements,
+        ..ComposeOptions::new(mode)
+    };
+    compose_with(ctx, budget, scorer, &options)
+}
+
+/// Composes an exact-`B` allocation: `|steps| = min(B, #events)`. With `B = 0` or at most `B`
+/// events, every event (Recent-B), in every mode.
+///
+/// Paper and greedy mode share one move, the **swap** from a set `S`: evict a recent event
+/// `e ∈ S ∩ Recent-B` and bring in a challenger `o`, a pool event outside `S` and outside
+/// Recent-B. Its gain is `Δ̂(o | S∖{e}) − Δ̂(e | S∖{e})` (f32 marginals, difference in f64), and it
+/// is *admissible* only if the gain is `> 0`: the entering event beats the predicted marginal of
+/// the recent event it evicts (a NaN marginal on either side, or `+∞` against `+∞`, is never
+/// admissible). Entered events are never evicted and evicted events never return, so every swap
+/// adds one to `k`, no path has more than `B` swaps, and declining every swap returns Recent-B
+/// exactly.
+///
+/// **Paper** ([`Mode::Paper`]): a beam over swap sequences. The beam starts as `{Recent-B}` with
+/// score 0. Each round (at most `max_replacements`, default `B`, rounds, so `k ≤
+/// max_replacements`), every set in the beam proposes every admissible swap; a child's score is
+/// its parent's plus the gain. Children are generated in beam order, then by evicted step
+/// ascending (the older recent event first), then by entered step descending (the more recent
+/// challenger first). A set reached by several paths keeps its highest score and that path (equal
+/// scores: the path generated first). The `beam_width` best sets survive, ranked by that score
+/// (equal scores: by when that path was generated). Composition stops when no set in the beam
+/// has an admissible swap, or after the last round. The result is the best set seen over all
+/// rounds, Recent-B included with score 0 (a later round's best replaces it only with a strictly
+/// higher score), with its path's swaps. All of a round's marginals go through one
+/// [`MarginalModel::score_batch`] call, and a (candidate, `S∖{e}`) pair shared by several parents
+/// is scored once. With `beam_width` at least the number of distinct sets any round generates,
+/// this is exact: the result is the best-scoring set over all admissible swap sequences of at most
+/// `max_replacements` swaps (each set scored by its best path). Cost: about `|beam| · |S ∩
+/// Recent-B| · #challengers` rows per round, roughly twice reference mode's at `B = 4`.
+///
+/// **Greedy** ([`Mode::Greedy`]): `S` = Recent-B. Repeat at most `max_replacements` (default `B`)
+/// times: among the recent events still in `S`, the one to evict is the one with the lowest
+/// `Δ̂(e | S∖{e})` (NaN ranks lowest; ties: the older); the challenger is the pool event outside
+/// `S` and outside Recent-B with the highest `Δ̂(o | S∖{e})` (NaN ranks lowest; ties: the more
+/// recent). The swap happens only when `Δ̂(o | S∖{e}) > Δ̂(e | S∖{e})` with a non-NaN `Δ̂(o | ·)`;
+/// otherwise composition stops. (Unlike paper mode, a recent event with a NaN marginal counts as
+/// `−∞`, so any finite challenger evicts it, with an infinite gain.)
+///
+/// **Reference** ([`Mode::Reference`]), after the authors' serving code: if the deduplicated pool
+/// has fewer than `B` events, Recent-B. Otherwise a beam over `B` levels from the empty set: each
+/// parent ranks the remaining pool events by `Δ̂(j | parent)` (stable, ties to the older) and keeps
+/// the top `children_per_parent`; a child's score is the parent's plus that marginal; children
+/// exceeding `max_replacements` (default unlimited) pool events outside Recent-B are dropped; a
+/// set reached by two paths keeps the higher score (the authors keep the first generated — the
+/// two agree whenever the better path comes from the better parent); the `beam_width` best
+/// (stable) sets survive. The best final set is returned; if none reached size `B`, Recent-B
+/// (`fell_back`). Scores that are NaN rank below every number.
+pub fn compose_with<M: MarginalModel + ?Sized>(
+    ctx: &DecisionContext,
+    budget: usize,
+    scorer: &M,
+    options: &ComposeOptions,
+) -> Result<Allocation> {
+    let fc = FeatureContext::new(ctx)?;
+    let recent = recent_b(ctx, budget);
+    if budget == 0 || ctx.events.len() <= budget {
+        let mut a = Allocation::recent(recent);
+        a.fell_back = false;
+        return Ok(a);
+    }
+    match options.mode {
+        Mode::Paper => paper(
+            &fc,
+            scorer,
+            recent,
+            options.max_replacements.unwrap_or(budget),
+            options.beam_width.max(1),
+        ),
+        Mode::Greedy => greedy(
+            &fc,
+            budget,
+            scorer,
+            recent,
+            options.max_replacements.unwrap_or(budget),
+        ),
+        Mode::Reference => reference(&fc, budget, scorer, recent, options),
+    }
+}
+
+/// NaN ranks below every number.
+pub(super) fn nan_low(x: f32) -> f32 {
+    if x.is_nan() {
+        f32::NEG_INFINITY
+    } else {
+        x
+    }
+}
