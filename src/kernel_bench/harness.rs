@@ -252,8 +252,7 @@ fn rel_err(got: &[f32], want: &[f32]) -> std::result::Result<f32, String> {
             want.len()
         ));
     }
-    let sq: f32 = want.iter().filter(|x| x.is_finite()).map(|x| x * x).sum();
-    let rms = (sq / want.len().max(1) as f32).sqrt().max(1e-30);
+    let rms = rms(want);
     let mut worst = 0f32;
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
         if g.is_nan() && !w.is_nan() {
@@ -270,10 +269,16 @@ fn rel_err(got: &[f32], want: &[f32]) -> std::result::Result<f32, String> {
     Ok(worst)
 }
 
+/// The root mean square of the finite values of `want` (the floor of the relative error's
+/// denominator), never zero.
+fn rms(want: &[f32]) -> f32 {
+    let sq: f32 = want.iter().filter(|x| x.is_finite()).map(|x| x * x).sum();
+    (sq / want.len().max(1) as f32).sqrt().max(1e-30)
+}
+
 /// The first few elements whose error is over `tol`, for the failure message.
 fn first_mismatches(got: &[f32], want: &[f32], tol: f32) -> String {
-    let sq: f32 = want.iter().filter(|x| x.is_finite()).map(|x| x * x).sum();
-    let rms = (sq / want.len().max(1) as f32).sqrt().max(1e-30);
+    let rms = rms(want);
     let shown: Vec<String> = got
         .iter()
         .zip(want)

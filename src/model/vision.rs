@@ -152,10 +152,13 @@ impl<B: Backend> VisionAttention<B> {
     pub(crate) fn forward(&self, h: &B::Tensor, ctx: &VisionCtx<'_, B>) -> Result<B::Tensor> {
         let be = ctx.be;
         let (cos, sin) = ctx.rope;
-        let [q, k, v]: [B::Tensor; 3] = be
-            .split_cols(self.qkv.forward(be, h)?, 3)?
-            .try_into()
-            .map_err(|_| Error::InvalidRequest("qkv split into other than three parts".into()))?;
+        let [q, k, v]: [B::Tensor; 3] =
+            be.split_cols(self.qkv.forward(be, h)?, 3)?
+                .try_into()
+                .map_err(|parts: Vec<_>| Error::Shape {
+                    op: "split_cols".into(),
+                    message: format!("qkv split into {} parts, not 3", parts.len()),
+                })?;
         let (q, k) = (be.rope(&q, cos, sin)?, be.rope(&k, cos, sin)?);
         let cu = if self.full { ctx.cu_full } else { ctx.cu_window };
         let a = be.attention_segments(&q, &k, &v, self.heads, cu)?;

@@ -24,12 +24,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 bin=.device-bin
-cuda=${CUDA_HOME:-/usr/local/cuda-13.0}/targets/x86_64-linux
-export RECALL_CUDA_LIB_DIR=${RECALL_CUDA_LIB_DIR:-$cuda/lib}
-export RECALL_CUDA_INCLUDE=${RECALL_CUDA_INCLUDE:-$cuda/include}
-export RECALL_NVRTC_LIB=${RECALL_NVRTC_LIB:-$RECALL_CUDA_LIB_DIR}
-export RECALL_KERNEL_CACHE=${RECALL_KERNEL_CACHE:-/tmp/recall-kernels}
-export LD_LIBRARY_PATH=$RECALL_CUDA_LIB_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# shellcheck source=tools/device/env.sh
+source tools/device/env.sh
 
 CONFIG=${CONFIG:-models/qwen3-vl-8b-instruct}
 LAYERS=${LAYERS:-3}
