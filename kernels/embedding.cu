@@ -1,6 +1,6 @@
-// Row movement: embedding gather / gather_rows, image-embedding scatter (replace or accumulate), and
-// the interpolated (weighted) embedding of the vision towers. CPU twins: CpuBackend::{embedding,
-// gather_rows, scatter_rows, weighted_embedding}. Indices are validated on the host before launch.
+// Row movement: embedding gather / gather_rows, image-embedding scatter (replace or accumulate), the
+// interpolated (weighted) embedding of the vision towers, and the column split of a fused projection.
+// CPU twins: CpuBackend::{embedding, gather_rows, scatter_rows, weighted_embedding, split_cols}. Indices are validated on the host before launch.
 // v1: one block per output row, threads stride over columns. Perf plan: 16-byte vector copies.
 #include "common.cuh"
 
@@ -10,6 +10,15 @@ struct GatherParams {
     bf16 *out;         // [n, cols]
     int n;
     int cols;
+};
+
+struct SplitColsParams {
+    const bf16 *src;   // [n, cols]
+    bf16 *out;         // [n, width]: columns col0 .. col0 + width of src
+    int n;
+    int cols;
+    int col0;
+    int width;
 };
 
 struct ScatterParams {
@@ -37,6 +46,16 @@ extern "C" __global__ void gather_rows_v1(const GatherParams p) {
     const bf16 *s = p.src + (long long)p.index[r] * p.cols;
     bf16 *o = p.out + (long long)r * p.cols;
     for (int c = threadIdx.x; c < p.cols; c += blockDim.x) o[c] = s[c];
+}
+
+// One part of a fused projection's output (q, k or v of one qkv GEMM): a strided copy, so the part
+// is bitwise those columns. No index to stage, unlike a gather.
+extern "C" __global__ void split_cols_v1(const SplitColsParams p) {
+    int r = blockIdx.x;
+    if (r >= p.n) return;
+    const bf16 *s = p.src + (long long)r * p.cols + p.col0;
+    bf16 *o = p.out + (long long)r * p.width;
+    for (int c = threadIdx.x; c < p.width; c += blockDim.x) o[c] = s[c];
 }
 
 extern "C" __global__ void scatter_rows_v1(const ScatterParams p) {

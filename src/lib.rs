@@ -21,6 +21,7 @@ pub mod limits;
 pub mod loadgen;
 pub mod memory;
 pub mod model;
+pub(crate) mod rng;
 pub mod server;
 pub mod tokenize;
 pub mod vision;

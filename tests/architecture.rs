@@ -78,28 +78,51 @@ fn code(text: &str) -> String {
         .join("\n")
 }
 
-/// Identifiers after `crate::` (and `$crate::` in macros), including every item of `crate::{a, b}`.
-fn crate_refs(code: &str) -> BTreeSet<String> {
+/// The first segment of every path that follows `prefix` (a whole path segment: `crate::` does not
+/// match inside `my_crate::`): `prefix::a::X` gives `a`; `prefix::{a::X, b, c::{Y, Z}}` gives `a`,
+/// `b`, `c`, groups read with their nesting.
+fn heads_after(code: &str, prefix: &str) -> BTreeSet<String> {
+    let ident = |s: &str| -> String {
+        s.chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect()
+    };
     let mut out = BTreeSet::new();
-    for (i, _) in code.match_indices("crate::") {
-        let rest = &code[i + "crate::".len()..];
-        if let Some(group) = rest.strip_prefix('{') {
-            let inner = &group[..group.find('}').unwrap_or(group.len())];
-            for item in inner.split(',') {
-                let name = item.trim().split("::").next().unwrap().trim();
-                if !name.is_empty() {
-                    out.insert(name.to_string());
+    for (i, _) in code.match_indices(prefix) {
+        let before = code[..i].chars().next_back();
+        if before.is_some_and(|c| c.is_alphanumeric() || c == '_' || c == ':') {
+            continue;
+        }
+        let rest = &code[i + prefix.len()..];
+        let Some(group) = rest.strip_prefix('{') else {
+            out.insert(ident(rest));
+            continue;
+        };
+        // Split the group at its top-level commas; its end is the `}` that closes it.
+        let (mut depth, mut start) = (0usize, 0usize);
+        for (j, c) in group.char_indices() {
+            match c {
+                '{' => depth += 1,
+                '}' if depth == 0 => {
+                    out.insert(ident(group[start..j].trim()));
+                    break;
                 }
+                '}' => depth -= 1,
+                ',' if depth == 0 => {
+                    out.insert(ident(group[start..j].trim()));
+                    start = j + 1;
+                }
+                _ => {}
             }
-        } else {
-            let name: String = rest
-                .chars()
-                .take_while(|c| c.is_alphanumeric() || *c == '_')
-                .collect();
-            out.insert(name);
         }
     }
+    out.remove("");
     out
+}
+
+/// Identifiers after `crate::` (and `$crate::` in macros), including every item of `crate::{a, b}`.
+fn crate_refs(code: &str) -> BTreeSet<String> {
+    heads_after(code, "crate::")
 }
 
 /// What a crate-root name belongs to: re-exports and exported macros map to their module.
@@ -121,7 +144,12 @@ fn imports_point_down_the_layers() {
         let Some(me) = top_module(&rel) else { continue };
         seen_modules.insert(me.clone());
         let my_rank = rank(&me).unwrap_or_else(|| panic!("module `{me}` ({rel}) is not in the layers"));
-        for name in crate_refs(&code(&text)) {
+        let code = code(&text);
+        // `super::` chains that climb to the crate root name crate-level modules too.
+        let root = "super::".repeat(module_of(&rel).map_or(0, |m| m.len()));
+        let mut names = crate_refs(&code);
+        names.extend(heads_after(&code, &root));
+        for name in names {
             let target = owner(&name);
             if target == me {
                 continue;
@@ -148,35 +176,76 @@ fn imports_point_down_the_layers() {
     );
 }
 
+/// The module path of a source file (`memory::selector::compose` for `memory/selector/compose.rs`,
+/// `memory::selector` for its `mod.rs`); `None` for the crate roots.
+fn module_of(rel: &str) -> Option<Vec<String>> {
+    let mut parts: Vec<String> = rel.trim_end_matches(".rs").split('/').map(String::from).collect();
+    if parts.last().is_some_and(|p| p == "mod") {
+        parts.pop();
+    }
+    (!matches!(parts[..], [ref p] if p == "lib" || p == "main")).then_some(parts)
+}
+
+/// What a `mod.rs` re-exports, by name: `pub use compose::{compose, Allocation};` maps both names to
+/// the child `compose` (every identifier of the statement after the child's name, which may name a
+/// path segment too: harmless, as it then maps a name no sibling imports).
+fn reexports(mod_rs: &str) -> BTreeMap<String, String> {
+    let mut map = BTreeMap::new();
+    for stmt in mod_rs.split(';') {
+        let stmt = stmt.trim_start();
+        let Some(path) = ["pub use ", "pub(crate) use ", "pub(super) use "]
+            .iter()
+            .find_map(|p| stmt.strip_prefix(p))
+        else {
+            continue;
+        };
+        let mut idents = path
+            .split(|c: char| !(c.is_alphanumeric() || c == '_'))
+            .filter(|w| !w.is_empty() && !matches!(*w, "self" | "as" | "crate" | "super"));
+        let Some(child) = idents.next() else { continue };
+        for name in idents {
+            map.insert(name.to_string(), child.to_string());
+        }
+    }
+    map
+}
+
 #[test]
 fn sibling_files_do_not_import_each_other_in_a_cycle() {
-    // Edges between the files of one top-level module (`model::text` -> `model::hgkv`), from
-    // `crate::model::hgkv` paths and, in files directly under the module, `super::hgkv`.
+    // Nodes are modules (files, or folders with their mod.rs); an edge joins two children of one
+    // module when one names the other, by its path (`super::hgkv`, `crate::model::hgkv`, in groups
+    // too) or by an item the parent's mod.rs re-exports from it (`super::{Allocation, Swap}`).
+    let sources = sources();
+    let modules: BTreeSet<Vec<String>> = sources.iter().filter_map(|(rel, _)| module_of(rel)).collect();
+    let parents: BTreeMap<Vec<String>, BTreeMap<String, String>> = sources
+        .iter()
+        .filter(|(rel, _)| rel.ends_with("/mod.rs"))
+        .map(|(rel, text)| (module_of(rel).unwrap(), reexports(&code(text))))
+        .collect();
     let mut edges: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-    for (rel, text) in sources() {
-        let parts: Vec<&str> = rel.trim_end_matches(".rs").split('/').collect();
-        if parts.len() < 2 || parts[1] == "mod" {
-            continue;
-        }
-        let (top, me) = (parts[0], format!("{}::{}", parts[0], parts[1]));
-        let code = code(&text);
-        let mut refs = BTreeSet::new();
-        for prefix in [format!("crate::{top}::"), "super::".to_string()] {
-            if prefix == "super::" && parts.len() != 2 {
-                continue;
+    for (rel, text) in &sources {
+        let Some(me) = module_of(rel) else { continue };
+        let code = code(text);
+        for k in 1..me.len() {
+            let (parent, node) = (&me[..k], me[..=k].join("::"));
+            let mut names = heads_after(&code, &format!("crate::{}::", parent.join("::")));
+            if k == me.len() - 1 {
+                names.extend(heads_after(&code, "super::"));
             }
-            for (i, _) in code.match_indices(&prefix) {
-                let name: String = code[i + prefix.len()..]
-                    .chars()
-                    .take_while(|c| c.is_alphanumeric() || *c == '_')
-                    .collect();
-                let target = format!("{top}::{name}");
-                if target != me {
-                    refs.insert(target);
+            for name in names {
+                let child = if modules.contains(&[parent, std::slice::from_ref(&name)].concat()) {
+                    Some(name)
+                } else {
+                    parents.get(parent).and_then(|r| r.get(&name)).cloned()
+                };
+                if let Some(child) = child {
+                    let target = format!("{}::{child}", parent.join("::"));
+                    if target != node {
+                        edges.entry(node.clone()).or_default().insert(target);
+                    }
                 }
             }
         }
-        edges.entry(me).or_default().extend(refs);
     }
     // Depth-first search for a back edge.
     fn visit(
@@ -300,4 +369,22 @@ fn the_checks_see_what_they_claim_to() {
     let found: Vec<(String, usize, usize)> = functions(f);
     assert_eq!(found, vec![("a".to_string(), 0, 3), ("b".to_string(), 3, 5)]);
     assert_eq!(code("// crate::agent\nuse crate::kv;"), "use crate::kv;");
+    let heads = heads_after(
+        "use super::{a::{X, Y}, b, c::Z};\nuse super::d;\nlet e = my_super::f; super::super::g;",
+        "super::",
+    );
+    assert_eq!(
+        heads.into_iter().collect::<Vec<_>>(),
+        ["a", "b", "c", "d", "super"]
+    );
+    let r =
+        reexports("pub use compose::{compose, Allocation};\npub(crate) use paper::Paper as P;\nuse x::Y;");
+    assert_eq!(r.get("Allocation").map(String::as_str), Some("compose"));
+    assert_eq!(r.get("P").map(String::as_str), Some("paper"));
+    assert_eq!(r.get("Y"), None);
+    assert_eq!(
+        module_of("memory/selector/mod.rs"),
+        Some(vec!["memory".into(), "selector".into()])
+    );
+    assert_eq!(module_of("lib.rs"), None);
 }

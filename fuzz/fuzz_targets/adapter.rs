@@ -10,22 +10,32 @@ use recall::backend::cpu::CpuBackend;
 use recall::model::hgkv::Adapter;
 use recall::model::ModelConfig;
 
-fn fixtures() -> &'static Path {
-    static P: OnceLock<std::path::PathBuf> = OnceLock::new();
-    P.get_or_init(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures"))
+/// What every run shares, read once: the fixture model's config and the real adapter's two files.
+struct Fixture {
+    cfg: ModelConfig,
+    config: Vec<u8>,
+    weights: Vec<u8>,
+}
+
+fn fixture() -> &'static Fixture {
+    static F: OnceLock<Fixture> = OnceLock::new();
+    F.get_or_init(|| {
+        let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
+        let peft = fixtures.join("hgkv-peft");
+        Fixture {
+            cfg: ModelConfig::from_dir(&fixtures.join("tiny-qwen3-vl")).unwrap(),
+            config: std::fs::read(peft.join("adapter_config.json")).unwrap(),
+            weights: std::fs::read(peft.join("adapter_model.safetensors")).unwrap(),
+        }
+    })
 }
 
 fuzz_target!(|data: &[u8]| {
     let Some((&pick, rest)) = data.split_first() else { return };
-    let cfg = ModelConfig::from_dir(&fixtures().join("tiny-qwen3-vl")).unwrap();
+    let f = fixture();
     let dir = tempfile::tempdir().unwrap();
-    let peft = fixtures().join("hgkv-peft");
-    let (config, weights) = if pick % 2 == 0 {
-        (rest.to_vec(), std::fs::read(peft.join("adapter_model.safetensors")).unwrap())
-    } else {
-        (std::fs::read(peft.join("adapter_config.json")).unwrap(), rest.to_vec())
-    };
+    let (config, weights) = if pick % 2 == 0 { (rest, &f.weights[..]) } else { (&f.config[..], rest) };
     std::fs::write(dir.path().join("adapter_config.json"), config).unwrap();
     std::fs::write(dir.path().join("adapter_model.safetensors"), weights).unwrap();
-    let _ = Adapter::load(&CpuBackend, dir.path(), &cfg.text);
+    let _ = Adapter::load(&CpuBackend, dir.path(), &f.cfg.text);
 });

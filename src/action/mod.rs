@@ -45,8 +45,8 @@
 //! assert!(equivalent(&a, &b, Platform::Mobile)); // distance 25
 //! ```
 //!
-//! Layout: `types` (platforms, points, the canonical [`Action`] and its queries), `parse` (response
-//! text → tool call, [`ParseError`]), `canonical` (the per-platform canonicalisation rules), `render`
+//! Layout: `types` (platforms, points, the canonical [`Action`] and its queries, [`ParseError`]), `parse`
+//! (response text → tool call), `canonical` (the per-platform canonicalisation rules), `render`
 //! (desktop fold lines and canonical tool-call JSON), `matching` ([`equivalent`], [`casefold`]),
 //! `pixels` (grid → pixel conventions). A leaf module: it depends on nothing else in the crate.
 
@@ -59,11 +59,9 @@ mod types;
 
 pub use matching::{casefold, equivalent};
 pub(crate) use parse::py_strip;
-pub use parse::{
-    action_line, action_line_or_fallback, parse_response, parse_tool_call, tool_call_text, ParseError,
-};
+pub use parse::{action_line, action_line_or_fallback, parse_response, parse_tool_call, tool_call_text};
 pub use pixels::{to_pixels, Convention};
-pub use types::{Action, ActionArgs, ActionBucket, Button, Platform, Point, Status};
+pub use types::{Action, ActionArgs, ActionBucket, Button, ParseError, Platform, Point, Status};
 
 /// The largest coordinate on the model's 1000×1000 grid.
 pub const GRID_MAX: u32 = 999;

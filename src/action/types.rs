@@ -1,5 +1,5 @@
 //! The action vocabulary: platforms, grid points, buttons, statuses, the canonical [`Action`] and its
-//! queries (name, bucket, position).
+//! queries (name, bucket, position), and the [`ParseError`] a response that holds none is reported as.
 
 use std::fmt;
 
@@ -374,4 +374,85 @@ impl Action {
             _ => None,
         }
     }
+}
+
+/// Why a response does not hold a valid action. Reported as is: a caller maps it to its own UNKNOWN
+/// step (CausalCache) or error; the parser never guesses.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ParseError {
+    /// No `<tool_call>` in the response.
+    #[error("no <tool_call> tag in the response")]
+    MissingOpenTag,
+    /// No `</tool_call>` after the last `<tool_call>`.
+    #[error("no </tool_call> tag after the last <tool_call>")]
+    MissingCloseTag,
+    /// The text between the tags is not JSON.
+    #[error("the tool call is not valid JSON: {0}")]
+    InvalidJson(String),
+    /// The tool call is JSON but not an object.
+    #[error("the tool call is not a JSON object")]
+    NotAnObject,
+    /// The tool call has no string `name`.
+    #[error("the tool call has no string `name`")]
+    MissingName,
+    /// The tool call names another function than the platform's.
+    #[error("the tool call names `{found}`, expected `{expected}`")]
+    WrongName {
+        /// The platform's function name.
+        expected: &'static str,
+        /// The name in the response.
+        found: String,
+    },
+    /// The tool call has no `arguments` member or it is not an object.
+    #[error("the tool call has no `arguments` object")]
+    MissingArguments,
+    /// `arguments.action` is missing or not a string.
+    #[error("`arguments.action` is missing or not a string")]
+    MissingAction,
+    /// The action is not one the platform's canonical set holds (mobile `key`, a misspelling, ...).
+    #[error("unsupported {platform} action `{action}`")]
+    UnsupportedAction {
+        /// The action as given (after aliasing).
+        action: String,
+        /// The platform it was parsed for.
+        platform: Platform,
+    },
+    /// A required argument is absent.
+    #[error("`{action}` requires `{key}`")]
+    MissingArgument {
+        /// The canonical action.
+        action: String,
+        /// The absent key.
+        key: String,
+    },
+    /// An argument the action does not take.
+    #[error("`{action}` does not take `{key}`")]
+    UnexpectedArgument {
+        /// The canonical action.
+        action: String,
+        /// The extra key.
+        key: String,
+    },
+    /// An argument of the wrong JSON type.
+    #[error("`{key}` must be {expected}")]
+    WrongType {
+        /// The argument.
+        key: String,
+        /// What it must be.
+        expected: &'static str,
+    },
+    /// A coordinate component outside `[0, 999]`.
+    #[error("`{key}` component {value} is outside [0, 999]")]
+    CoordinateOutOfRange {
+        /// `coordinate` or `coordinate2`.
+        key: String,
+        /// The offending value.
+        value: String,
+    },
+    /// A `system_button` other than Back, Home, Enter.
+    #[error("unsupported system button `{0}` (Back, Home, Enter)")]
+    InvalidButton(String),
+    /// A desktop terminate status other than success/failure.
+    #[error("invalid terminate status `{0}` (success, failure)")]
+    InvalidStatus(String),
 }

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::action::{equivalent, parse_response, Action, ActionBucket as ParsedBucket};
+use crate::action::{equivalent, parse_response, Action};
 use crate::engine::{GenerateParams, Generation, ImageHash, Prompt, RequestOptions, Session};
 use crate::error::{Error, Result};
 use crate::memory::episode::{Decision, Episode};
@@ -259,9 +259,7 @@ pub(crate) fn context(
         events.push(EventInfo {
             step: s,
             image_hash: memo.image(&step.screenshot)?.0 .0,
-            next_bucket: action
-                .as_ref()
-                .map_or(ActionBucket::Other, |a| bucket(a.bucket())),
+            next_bucket: action.as_ref().map_or(ActionBucket::Other, |a| a.bucket()),
             next_point: action.as_ref().and_then(Action::point),
             witness: match (&action, reference) {
                 (Some(a), Some(r)) => equivalent(a, r, platform),
@@ -274,16 +272,6 @@ pub(crate) fn context(
         reference_point: reference.and_then(Action::point),
         events,
     })
-}
-
-fn bucket(b: ParsedBucket) -> ActionBucket {
-    match b {
-        ParsedBucket::Click => ActionBucket::Click,
-        ParsedBucket::Type => ActionBucket::Type,
-        ParsedBucket::Key => ActionBucket::Key,
-        ParsedBucket::Scroll => ActionBucket::Scroll,
-        ParsedBucket::Other => ActionBucket::Other,
-    }
 }
 
 /// The allocation policies the CLI offers, by name.

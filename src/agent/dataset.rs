@@ -26,7 +26,9 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
-use crate::action::{parse_response, parse_tool_call, Action, ParseError, Platform, TOOL_CALL_OPEN};
+use crate::action::{
+    parse_response, parse_tool_call, Action, ParseError, Platform, TOOL_CALL_CLOSE, TOOL_CALL_OPEN,
+};
 use crate::error::{Error, Result};
 
 /// The fields a step line may carry.
@@ -367,7 +369,7 @@ fn reference_response(
         Value::String(s) => Ok(s.clone()),
         v @ Value::Object(_) => {
             let call = wrap_arguments(v.clone(), platform);
-            Ok(format!("{TOOL_CALL_OPEN}\n{call}\n</tool_call>"))
+            Ok(format!("{TOOL_CALL_OPEN}\n{call}\n{TOOL_CALL_CLOSE}"))
         }
         _ => Err(field_err(
             "reference",

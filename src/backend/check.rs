@@ -134,6 +134,17 @@ pub(crate) fn reshape(from: (usize, usize), rows: usize, cols: usize) -> Result<
     Ok(())
 }
 
+/// `split_cols`: the columns divide into `parts` equal parts; their width.
+pub(crate) fn split_cols((rows, cols): (usize, usize), parts: usize) -> Result<usize> {
+    if parts == 0 || !cols.is_multiple_of(parts) {
+        return Err(shape_err(
+            "split_cols",
+            format!("[{rows}, {cols}] into {parts} parts"),
+        ));
+    }
+    Ok(cols / parts)
+}
+
 /// Elementwise ops: both operands have one shape.
 pub(crate) fn same(op: &str, a: (usize, usize), b: (usize, usize)) -> Result<()> {
     if a != b {

@@ -16,6 +16,14 @@ mod select;
 
 pub use select::{select, BackendArgs, BackendChoice, Selected};
 
+/// HBM bandwidth for the rooflines of `recall bench` and `recall kernels`, GB/s: the H200's
+/// device-to-device copy rate measured on the workplace's H200 (4.3 TB/s read + write; datasheet
+/// 4.8), as docs/BENCH.md's floors use it.
+pub const H200_GBS: f64 = 4200.0;
+/// Dense bf16 tensor-core rate for the same rooflines, TFLOP/s: an 8192³ bf16 GEMM measured on the
+/// H200 (datasheet ≈ 990).
+pub const H200_TFLOPS: f64 = 790.0;
+
 use crate::checkpoint::TensorRef;
 use crate::Result;
 
@@ -134,13 +142,8 @@ pub trait Backend: Send + Sync {
     /// gathers every `parts`-th row: a copy, so the parts are bitwise the columns.
     fn split_cols(&self, x: Self::Tensor, parts: usize) -> Result<Vec<Self::Tensor>> {
         let (n, cols) = self.dims(&x);
-        if parts == 0 || !cols.is_multiple_of(parts) {
-            return Err(check::shape_err(
-                "split_cols",
-                format!("[{n}, {cols}] into {parts} parts"),
-            ));
-        }
-        let x = self.reshape(x, n * parts, cols / parts)?;
+        let width = check::split_cols((n, cols), parts)?;
+        let x = self.reshape(x, n * parts, width)?;
         (0..parts)
             .map(|j| self.gather_rows(&x, &(0..n).map(|i| i * parts + j).collect::<Vec<_>>()))
             .collect()

@@ -8,13 +8,11 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::backend::{BackendArgs, BackendChoice};
+use crate::backend::{BackendArgs, BackendChoice, H200_GBS, H200_TFLOPS};
 use crate::error::{Error, Result};
 use crate::model::{GridThw, VisionConfig};
 
 // Only the intra-doc links of the flag docs name these.
-#[cfg(doc)]
-use super::{run_bench, BenchReport};
 #[cfg(doc)]
 use crate::backend::Backend;
 #[cfg(doc)]
@@ -79,7 +77,7 @@ impl GridSpec {
     }
 }
 
-/// Settings of [`run_bench`]: the `recall bench` flags, parsed by clap (each flag is a field name in
+/// Settings of [`run_bench`](super::run_bench): the `recall bench` flags, parsed by clap (each flag is a field name in
 /// kebab-case; the defaults are the H200 configuration of [`BenchArgs::default_for`]).
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchArgs {
@@ -150,19 +148,19 @@ pub struct BenchArgs {
     #[arg(long)]
     pub quick: bool,
     /// After the measurements, profile one more prefill and decode of the pass-1 prompt per op (CPU)
-    /// or per kernel (CUDA): [`BenchReport::breakdown`].
+    /// or per kernel (CUDA): the report's `breakdown`.
     #[arg(long)]
     pub breakdown: bool,
     /// Step recording/replay ([`Backend::set_step_replay`], CUDA graphs) during the measurements:
     /// on or off. When on, the plain pass 1 also runs once with it off and both outputs are compared:
-    /// [`BenchReport::replay`].
+    /// the report's `replay`.
     #[arg(long, default_value = "on", action = clap::ArgAction::Set, value_parser = parse_on_off)]
     pub step_replay: bool,
     /// Matrix-unit ceiling for the floors, TFLOP/s (H200 measured: 790).
-    #[arg(long, default_value_t = 790.0)]
+    #[arg(long, default_value_t = H200_TFLOPS)]
     pub peak_tflops: f64,
     /// Memory-bandwidth ceiling for the floors, GB/s (H200 measured copy: 4200).
-    #[arg(long, default_value_t = 4200.0)]
+    #[arg(long, default_value_t = H200_GBS)]
     pub peak_gbs: f64,
 }
 

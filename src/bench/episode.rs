@@ -8,7 +8,6 @@ use super::args::BenchArgs;
 use super::harness::ms;
 use super::layouts::{appended_prefix, image_hash, layout_tokens, LayoutRun, Layouts};
 use super::report::Shapes;
-use super::rng::{derive, Rng};
 use super::SCOPEMEM_ROWS;
 use crate::error::Result;
 use crate::memory::policy::{AllocationPolicy, PolicyInputs, Selector};
@@ -16,6 +15,7 @@ use crate::memory::selector::{
     recent_b, ActionBucket, DecisionContext, EventInfo, MarginalScorer, Mode, ScorerParams, NUM_FEATURES,
 };
 use crate::model::GridThw;
+use crate::rng::{derive, Rng};
 
 /// The measured step's allocations, prompt layouts and their token counts.
 pub(super) struct Episode {

@@ -6,10 +6,10 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use super::args::BenchArgs;
-use super::rng::{derive, Rng};
 use super::SCOPEMEM_ROWS;
 use crate::engine::{ImageHash, ImageRole, Prompt, Segment};
 use crate::model::{GridThw, ModelConfig, VisionConfig};
+use crate::rng::{derive, Rng};
 use crate::vision::PixelValues;
 
 /// One run of a prompt layout: text ids, a screenshot (by step; `step = history + 1` is the current

@@ -30,7 +30,7 @@
 //!
 //! * `args.rs`: the settings ([`BenchArgs`], [`GridSpec`], [`TINY_PRESET`]);
 //! * `synthetic.rs`: the random model (config copy, tensor specs, safetensors file or synthetic
-//!   checkpoint), seeded by `rng.rs`;
+//!   checkpoint), seeded by `crate::rng`;
 //! * `layouts.rs`: the synthetic agent-step prompts ([`LayoutRun`]) and screenshots; `episode.rs`:
 //!   the measured step (Recent-B, the selector's allocation, every prompt's layout);
 //! * `harness.rs`: engines, timed greedy generation and the row statistics;
@@ -46,7 +46,6 @@ mod harness;
 mod layouts;
 mod phases;
 mod report;
-mod rng;
 mod steps;
 mod synthetic;
 mod table;
@@ -185,8 +184,8 @@ fn bench_backend<B: Backend>(
         pool_blocks: episode.pool_blocks(args),
     };
     be.set_step_replay(args.step_replay);
-    warm_up(&harness, &episode)?;
     let prompts = Prompts::new(&harness, &episode);
+    warm_up(&harness, &episode, &prompts.pass1)?;
     let base = baseline(&harness, &prompts)?;
     let phases = Phases {
         harness: &harness,

@@ -44,10 +44,10 @@ impl Prompts {
 }
 
 /// Warm-up (kernels, GEMM plans, allocator): one short generation of the pass-1 prompt.
-pub(super) fn warm_up<B: Backend>(harness: &Harness<'_, B>, episode: &Episode) -> Result<()> {
+pub(super) fn warm_up<B: Backend>(harness: &Harness<'_, B>, episode: &Episode, pass1: &Prompt) -> Result<()> {
     let mut e = harness.engine(false)?;
     harness.add_images(&mut e, 1..=episode.t)?;
-    harness.generate(&mut e, &harness.prompt(&episode.pass1_layout), 2, Vec::new())?;
+    harness.generate(&mut e, pass1, 2, Vec::new())?;
     Ok(())
 }
 

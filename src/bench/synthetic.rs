@@ -11,10 +11,10 @@ use rayon::prelude::*;
 use serde_json::Value;
 
 use super::report::WeightsInfo;
-use super::rng::derive;
 use crate::checkpoint::{Checkpoint, Fill};
 use crate::error::{Error, Result};
 use crate::model::{Family, ModelConfig, TextConfig, VisionConfig};
+use crate::rng::derive;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Init {

@@ -17,7 +17,7 @@ use crate::engine::sampling::{Sampler, Sampling, TokenLogprobs};
 use crate::engine::scheduler::{Scheduler, Work};
 use crate::engine::sequence::{Injected, RequestId, Sequence, Task};
 use crate::engine::vision_cache::{VisionCache, VisionEntry};
-use crate::engine::{GenerateParams, Generation, Score};
+use crate::engine::{GenerateParams, Generation, Outcome, Score};
 use crate::error::{Error, Result};
 use crate::kv::{KvBlockManager, KvStats, TokenKey};
 use crate::model::{AdapterMode, QwenVl};
@@ -59,17 +59,6 @@ impl Default for EngineConfig {
             prefix_caching: true,
         }
     }
-}
-
-/// The result of one request.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Outcome {
-    Generation(Generation),
-    Score(Score),
-    /// A warm-up finished.
-    Warmed,
-    /// The request failed; the engine and its caches stay usable.
-    Failed(String),
 }
 
 /// Per-request options.

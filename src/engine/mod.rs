@@ -9,6 +9,7 @@
 mod core;
 pub mod generate;
 pub mod input;
+mod outcome;
 pub mod pipeline;
 mod postprocess;
 pub mod prompt;
@@ -21,10 +22,11 @@ pub mod session;
 pub mod vision_cache;
 
 pub use self::core::{
-    blocks_from_memory, Engine, EngineConfig, EngineOutput, EngineStats, Outcome, Progress, RequestOptions,
+    blocks_from_memory, Engine, EngineConfig, EngineOutput, EngineStats, Progress, RequestOptions,
 };
 pub use generate::{generate, FinishReason, GenerateParams, Generation};
 pub use input::PromptInput;
+pub use outcome::Outcome;
 pub use pipeline::{Pipeline, PromptLogits};
 pub use prompt::{ImageHash, ImageRole, Prompt, Segment};
 pub use sampling::{Sampling, TokenLogprobs};

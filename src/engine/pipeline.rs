@@ -6,7 +6,6 @@ use std::path::Path;
 use crate::backend::Backend;
 use crate::engine::generate::{generate_timed, GenerationStats};
 use crate::engine::prompt::{ImageHash, ImageRole, Prompt, Segment};
-use crate::engine::session::LocalSession;
 use crate::engine::{generate, score, Engine, EngineConfig, GenerateParams, Generation, PromptInput, Score};
 use crate::error::{Error, Result};
 use crate::model::{rope_index, AdapterMode, Family, GridThw, LogitsFor, QwenVl, Span, VisualFeatures};
@@ -189,14 +188,6 @@ impl<B: Backend> Pipeline<B> {
     /// An engine over this pipeline's model (see [`Engine`]).
     pub fn engine(&self, cfg: EngineConfig) -> Result<Engine<'_, B>> {
         Engine::new(&self.backend, &self.model, Some(&self.tokenizer), cfg)
-    }
-
-    /// A [`Session`](crate::engine::Session) over this pipeline and `engine`, for the agent layer.
-    pub fn session<'a, 'm>(&'a self, engine: &'a mut Engine<'m, B>) -> LocalSession<'a, 'm, B> {
-        LocalSession {
-            pipeline: self,
-            engine,
-        }
     }
 
     /// The model's input embeddings of `ids`, `[ids.len() · hidden]` row-major (empty for no ids).

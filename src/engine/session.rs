@@ -64,6 +64,17 @@ pub struct LocalSession<'a, 'm, B: Backend> {
     pub engine: &'a mut Engine<'m, B>,
 }
 
+impl<B: Backend> Pipeline<B> {
+    /// A [`Session`] over this pipeline and `engine`, for the agent layer. (It lives here, beside
+    /// [`LocalSession`], so that the pipeline does not import the sessions built on it.)
+    pub fn session<'a, 'm>(&'a self, engine: &'a mut Engine<'m, B>) -> LocalSession<'a, 'm, B> {
+        LocalSession {
+            pipeline: self,
+            engine,
+        }
+    }
+}
+
 impl<B: Backend> Session for LocalSession<'_, '_, B> {
     fn tokenizer(&self) -> &Tokenizer {
         &self.pipeline.tokenizer

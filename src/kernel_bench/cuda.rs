@@ -8,14 +8,9 @@ use super::ops::{add_rms_norm_unfused, dispatch, qk_write_composed, Operands, Ou
 use super::timing::Roofline;
 use super::{KernelBench, Op};
 use crate::backend::cuda::{CudaBackend, CudaTensor};
-use crate::backend::Backend;
+use crate::backend::{Backend, H200_GBS, H200_TFLOPS};
 use crate::error::{Error, Result};
 
-/// HBM bandwidth for the roofline, GB/s: the H200's device-to-device copy rate measured on the
-/// workplace's H200 (4.3 TB/s read + write; datasheet 4.8), as docs/BENCH.md's floors use it.
-pub const H200_GBS: f64 = 4200.0;
-/// Dense bf16 tensor-core rate, TFLOP/s: an 8192³ bf16 GEMM measured on the H200 (datasheet ≈ 990).
-pub const H200_TFLOPS: f64 = 790.0;
 /// Columns of the flush tensor.
 const FLUSH_COLS: usize = 8192;
 

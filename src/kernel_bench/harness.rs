@@ -3,13 +3,14 @@
 
 use super::cases::{cases, Case, Op};
 use super::cost::cost;
-use super::inputs::{host_inputs, upload, upload_acts, HostInputs, Rng};
+use super::inputs::{host_inputs, upload, upload_targets, HostInputs};
 use super::ops::{reference, to_host, Operands, Version};
 use super::report::{Report, Row};
 use super::timing::Timing;
 use super::{KernelBench, Options};
 use crate::backend::cpu::CpuBackend;
 use crate::error::{Error, Result};
+use crate::rng::{derive, Rng};
 
 /// Bound of the relative error of bf16 outputs (tests/cuda_ops.rs).
 pub const BF16_TOL: f32 = 1e-2;
@@ -76,9 +77,9 @@ pub fn run<B: KernelBench>(be: &B, opts: &Options) -> Result<Report> {
     }
     let mut report = Report::new(be.describe(), roofline, opts, flush_bytes);
     let bar = progress(opts.progress, selected.len());
-    let mut rng = Rng::new(opts.seed);
     for case in &selected {
         bar.set_message(case.op.name());
+        let mut rng = Rng::new(case_seed(opts.seed, case));
         bench_case(be, case, &mut rng, flush.as_mut(), opts, &mut report)?;
         bar.inc(1);
     }
@@ -173,7 +174,7 @@ fn prepare<B: KernelBench>(be: &B, case: &Case, rng: &mut Rng) -> Result<Prepare
 /// case, an error when it fails (or its error is over the bound).
 fn check<B: KernelBench>(be: &B, p: &mut Prepared<B>, v: &Version<B>) -> Result<Option<f32>> {
     if p.dirty {
-        p.target.x = upload_acts(be, &p.host)?.0;
+        p.target.x = upload_targets(be, &p.host)?;
     }
     p.dirty = p.op.mutates();
     be.set_checking(true);
@@ -217,10 +218,20 @@ fn time<B: KernelBench>(
 
 /// Validates one version on one case: `Ok(Some(max relative error))`, `Ok(None)` when the version
 /// does not cover the case, or an error naming the op, version and case when its output is off.
-/// The same inputs as [`run`] draws for the case from `seed`, when it is the first case.
+/// The same inputs as [`run`] draws for the case from `seed`.
 pub fn check_version<B: KernelBench>(be: &B, case: &Case, v: &Version<B>, seed: u64) -> Result<Option<f32>> {
-    let mut p = prepare(be, case, &mut Rng::new(seed))?;
+    let mut p = prepare(be, case, &mut Rng::new(case_seed(seed, case)))?;
     check(be, &mut p, v)
+}
+
+/// The seed of `case`'s inputs, from the run's seed and the case's op and label: a case draws the
+/// same inputs whichever other cases are selected (`--ops`), and [`check_version`] draws them too.
+fn case_seed(seed: u64, case: &Case) -> u64 {
+    let key: Vec<u64> = format!("{} {}", case.op.name(), case.label())
+        .bytes()
+        .map(u64::from)
+        .collect();
+    derive(seed, &key)
 }
 
 /// The largest relative error over all outputs, or why they do not match: a different count or

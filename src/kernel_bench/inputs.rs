@@ -12,45 +12,7 @@ use crate::backend::cpu::CpuBackend;
 use crate::backend::{AttnShape, Backend, Gelu};
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
-
-/// A small deterministic generator (SplitMix64): the harness draws the same inputs on every machine.
-#[derive(Debug, Clone)]
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Self {
-        Rng(seed)
-    }
-
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `[0, 1)`.
-    pub fn f32(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / 16_777_216.0
-    }
-
-    /// `n` values uniform in `[lo, hi)`.
-    pub fn vec(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
-        (0..n).map(|_| lo + (hi - lo) * self.f32()).collect()
-    }
-
-    /// Uniform in `0..n` (`n > 0`).
-    pub fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n.max(1) as u64) as usize
-    }
-
-    pub fn shuffle<T>(&mut self, v: &mut [T]) {
-        for i in (1..v.len()).rev() {
-            v.swap(i, self.below(i + 1));
-        }
-    }
-}
+use crate::rng::Rng;
 
 /// One activation: row-major values and its `[rows, cols]`.
 pub struct Act {
@@ -67,17 +29,21 @@ pub struct HostInputs {
     pub params: Params,
 }
 
+/// A `[rows, cols]` activation uniform in `[-range, range)`.
+fn act(rng: &mut Rng, rows: usize, cols: usize, range: f32) -> Act {
+    Act {
+        data: rng.vec(rows * cols, -range, range),
+        rows,
+        cols,
+    }
+}
+
 /// Draws the inputs of `case`.
 pub fn host_inputs(case: &Case, rng: &mut Rng) -> HostInputs {
     let mut h = HostInputs {
         acts: Vec::new(),
         weights: Vec::new(),
         params: Params::default(),
-    };
-    let act = |rng: &mut Rng, rows: usize, cols: usize, range: f32| Act {
-        data: rng.vec(rows * cols, -range, range),
-        rows,
-        cols,
     };
     match &case.shape {
         Shape::Elems { rows, cols } => {
@@ -111,7 +77,9 @@ pub fn host_inputs(case: &Case, rng: &mut Rng) -> HostInputs {
             let table = rng.vec(vocab * cols, -1.0, 1.0);
             h.weights
                 .push(("embed_tokens.weight", table, vec![*vocab, *cols]));
-            h.params.ids = (0..rows * taps).map(|_| rng.below(*vocab) as u32).collect();
+            h.params.ids = (0..rows * taps)
+                .map(|_| rng.below(*vocab as u64) as u32)
+                .collect();
             h.params.taps = *taps;
             if case.op == Op::WeightedEmbedding {
                 h.params.tap_weights = rng.vec(rows * taps, 0.0, 1.0);
@@ -143,7 +111,7 @@ pub fn host_inputs(case: &Case, rng: &mut Rng) -> HostInputs {
         }
         Shape::Logits { rows, vocab } => {
             h.acts.push(act(rng, *rows, *vocab, 8.0));
-            h.params.ids = (0..*rows).map(|_| rng.below(*vocab) as u32).collect();
+            h.params.ids = (0..*rows).map(|_| rng.below(*vocab as u64) as u32).collect();
         }
     }
     h
@@ -151,11 +119,7 @@ pub fn host_inputs(case: &Case, rng: &mut Rng) -> HostInputs {
 
 fn norm_inputs(h: &mut HostInputs, rng: &mut Rng, op: Op, (rows, cols, group): (usize, usize, usize)) {
     h.params.eps = 1e-6;
-    h.acts.push(Act {
-        data: rng.vec(rows * cols, -4.0, 4.0),
-        rows,
-        cols,
-    });
+    h.acts.push(act(rng, rows, cols, 4.0));
     if op == Op::LayerNorm {
         h.weights.push(("lw", rng.vec(cols, 0.5, 1.5), vec![cols]));
         h.weights.push(("lb", rng.vec(cols, -0.5, 0.5), vec![cols]));
@@ -163,11 +127,7 @@ fn norm_inputs(h: &mut HostInputs, rng: &mut Rng, op: Op, (rows, cols, group): (
     }
     h.weights.push(("w", rng.vec(group, 0.5, 1.5), vec![group]));
     if op == Op::AddRmsNorm {
-        h.acts.push(Act {
-            data: rng.vec(rows * cols, -4.0, 4.0),
-            rows,
-            cols,
-        });
+        h.acts.push(act(rng, rows, cols, 4.0));
     }
 }
 
@@ -196,11 +156,6 @@ fn qk_inputs(h: &mut HostInputs, rng: &mut Rng, shape: &Shape) {
         return;
     };
     let pool_rows = 2 * n + 13;
-    let act = |rng: &mut Rng, rows: usize, cols: usize, range: f32| Act {
-        data: rng.vec(rows * cols, -range, range),
-        rows,
-        cols,
-    };
     h.acts.push(act(rng, n, q_heads * d, 4.0));
     h.acts.push(act(rng, n, kv_heads * d, 4.0));
     h.acts.push(act(rng, n, kv_heads * d, 4.0));
@@ -232,40 +187,35 @@ fn paged_inputs(h: &mut HostInputs, rng: &mut Rng, shape: AttnShape, seqs: &[(us
     let slots = num_blocks * shape.block_size;
     let kvd = shape.kv_heads * shape.head_dim;
     for _ in 0..2 {
-        h.acts.push(Act {
-            data: rng.vec(slots * kvd, -2.0, 2.0),
-            rows: slots,
-            cols: kvd,
-        });
+        h.acts.push(act(rng, slots, kvd, 2.0));
     }
     let rows: usize = seqs.iter().map(|s| s.0).sum();
     let qd = shape.q_heads * shape.head_dim;
-    h.acts.insert(
-        0,
-        Act {
-            data: rng.vec(rows * qd, -2.0, 2.0),
-            rows,
-            cols: qd,
-        },
-    );
+    h.acts.insert(0, act(rng, rows, qd, 2.0));
     h.params.attn = Some(shape);
     h.params.seqs = seqs.to_vec();
 }
 
 /// The activations on `be`, and the same values as it holds them (read back) on the CPU.
-pub fn upload_acts<B: Backend>(
+fn upload_acts<B: Backend>(
     be: &B,
     host: &HostInputs,
 ) -> Result<(Vec<B::Tensor>, Vec<crate::backend::cpu::CpuTensor>)> {
-    let mut target = Vec::with_capacity(host.acts.len());
-    let mut cpu = Vec::with_capacity(host.acts.len());
-    for a in &host.acts {
-        let t = be.upload(&a.data, a.rows, a.cols)?;
-        let seen = be.download(&t)?;
-        cpu.push(CpuBackend.upload(&seen, a.rows, a.cols)?);
-        target.push(t);
-    }
+    let target = upload_targets(be, host)?;
+    let cpu = target
+        .iter()
+        .zip(&host.acts)
+        .map(|(t, a)| CpuBackend.upload(&be.download(t)?, a.rows, a.cols))
+        .collect::<Result<_>>()?;
     Ok((target, cpu))
+}
+
+/// The case's activations on `be` alone (a fresh copy for an op that wrote them in place).
+pub fn upload_targets<B: Backend>(be: &B, host: &HostInputs) -> Result<Vec<B::Tensor>> {
+    host.acts
+        .iter()
+        .map(|a| be.upload(&a.data, a.rows, a.cols))
+        .collect()
 }
 
 /// The case's operands on `be` and on its CPU twin.

@@ -24,8 +24,6 @@ mod timing;
 
 pub use cases::{cases, Case, CaseSet, Op, Shape};
 pub use cost::{cost, Cost};
-#[cfg(feature = "cuda")]
-pub use cuda::{H200_GBS, H200_TFLOPS};
 pub use harness::{check_version, run, tolerance, BF16_TOL, F32_TOL};
 pub use ops::{
     add_rms_norm_unfused, dispatch, qk_write_composed, Operands, Out, Outs, Params, RunFn, Version,

@@ -116,7 +116,7 @@ impl ModelConfig {
         if gen_path.exists() {
             let gen = crate::limits::read_capped(&gen_path, crate::limits::MAX_CONFIG_BYTES)?;
             let root: Value = serde_json::from_str(&gen).map_err(|e| Error::json(&gen_path, "", e))?;
-            let gen: RawGeneration = read(&root, &gen_path, "")?;
+            let gen: RawGeneration = read(&root, &gen_path)?;
             if let Some(ids) = gen.eos_token_id {
                 cfg.eos_token_ids = ids;
             }
@@ -133,11 +133,6 @@ impl ModelConfig {
 }
 
 impl VisionConfig {
-    /// Parses `vision_config` of the document at `path`.
-    pub fn parse(v: &Value, family: Family, path: &Path) -> Result<Self> {
-        read::<RawVision>(v, path, "vision_config")?.validate(family, path)
-    }
-
     /// The checks between fields that no single field's type expresses.
     fn check(&self, path: &Path) -> Result<()> {
         let bad = |k: &str, msg: String| Err(Error::json(path, format!("vision_config.{k}"), msg));
@@ -233,20 +228,14 @@ impl Family {
 // ---------------------------------------------------------------------------------------------------
 // Step 1: the reader.
 
-/// Deserializes `T` from `v`, an object at `scope` of the document at `path` ("" for its top level);
-/// a type error names the field's full path. A `v` that is not an object reads as an empty one: a
-/// lookup in it finds nothing, as it did before there was a reader.
-fn read<T: DeserializeOwned + Default>(v: &Value, path: &Path, scope: &str) -> Result<T> {
+/// Deserializes `T` from `v`, the top level of the document at `path`; a type error names the
+/// field's full path. A `v` that is not an object reads as an empty one: a lookup in it finds
+/// nothing, as it did before there was a reader.
+fn read<T: DeserializeOwned + Default>(v: &Value, path: &Path) -> Result<T> {
     if !v.is_object() {
         return Ok(T::default());
     }
-    serde_path_to_error::deserialize(v).map_err(|e| {
-        let field = match (scope, e.path().to_string()) {
-            ("", field) => field,
-            (scope, field) => format!("{scope}.{field}"),
-        };
-        Error::json(path, field, e.into_inner())
-    })
+    serde_path_to_error::deserialize(v).map_err(|e| Error::json(path, e.path().to_string(), e.into_inner()))
 }
 
 /// The top-level keys of `config.json` other than the decoder's (those are read into a [`RawText`]).
@@ -387,8 +376,8 @@ impl RawConfig {
     /// Reads the document `root` (an object). The top level is read twice, once for its own keys and
     /// once for the decoder keys of the flat layout.
     fn read(root: &Value, path: &Path) -> Result<Self> {
-        let mut top: RawTop = read(root, path, "")?;
-        let mut flat: RawText = read(root, path, "")?;
+        let mut top: RawTop = read(root, path)?;
+        let mut flat: RawText = read(root, path)?;
         let mut nested = top.text_config.take().unwrap_or_default();
         // transformers 5's `rope_parameters` wins over 4.x's `rope_scaling` wherever either is.
         let rope = [

@@ -45,7 +45,12 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "embedding",
         source: include_str!("../../../kernels/embedding.cu"),
-        functions: &["gather_rows_v1", "scatter_rows_v1", "weighted_embedding_v1"],
+        functions: &[
+            "gather_rows_v1",
+            "split_cols_v1",
+            "scatter_rows_v1",
+            "weighted_embedding_v1",
+        ],
     },
     KernelSource {
         name: "norm",

@@ -509,6 +509,28 @@ impl Backend for CudaBackend {
         self.gather(x.ptr(), &idx, index.len(), x.cols)
     }
 
+    /// Each part one strided copy (`split_cols_v1`), without the default's staged row indices.
+    fn split_cols(&self, x: CudaTensor, parts: usize) -> Result<Vec<CudaTensor>> {
+        let width = check::split_cols((x.rows, x.cols), parts)?;
+        (0..parts)
+            .map(|j| {
+                let out = self.alloc_tensor(x.rows, width)?;
+                if x.rows > 0 && width > 0 {
+                    let p = SplitColsParams {
+                        src: x.ptr(),
+                        out: out.ptr(),
+                        n: to_i32("split_cols", x.rows)?,
+                        cols: to_i32("split_cols", x.cols)?,
+                        col0: to_i32("split_cols", j * width)?,
+                        width: to_i32("split_cols", width)?,
+                    };
+                    self.launch("split_cols_v1", grid_rows(x.rows, width, 256), p)?;
+                }
+                Ok(out)
+            })
+            .collect()
+    }
+
     fn scatter_rows(
         &self,
         dst: &mut CudaTensor,

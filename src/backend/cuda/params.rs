@@ -42,6 +42,8 @@ params! {
     FillRandomParams { out: u64, seed: u64, first: u64, n: i64, scale: f32, kind: i32 }
     /// embedding.cu: gather_rows_v1.
     GatherParams { src: u64, index: u64, out: u64, n: i32, cols: i32 }
+    /// embedding.cu: split_cols_v1.
+    SplitColsParams { src: u64, out: u64, n: i32, cols: i32, col0: i32, width: i32 }
     /// embedding.cu: scatter_rows_v1.
     ScatterParams { dst: u64, index: u64, src: u64, n: i32, cols: i32, accumulate: i32 }
     /// embedding.cu: weighted_embedding_v1.

@@ -5,15 +5,9 @@ use std::collections::HashMap;
 use super::{CANDIDATE_FEATURES, NUM_FEATURES, SET_FEATURES};
 use crate::error::{Error, Result};
 
-/// Coarse type of the action taken right after a candidate event.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ActionBucket {
-    Click,
-    Type,
-    Key,
-    Scroll,
-    Other,
-}
+/// Coarse type of the action taken right after a candidate event: the parser's own bucket, so the
+/// selector's one-hot and [`crate::action::Action::bucket`] cannot drift apart.
+pub use crate::action::ActionBucket;
 
 /// What the selector knows about one past event (a completed step) of the current decision.
 #[derive(Debug, Clone, PartialEq)]
@@ -165,6 +159,15 @@ impl<'a> FeatureContext<'a> {
     /// The deduplicated candidate pool (steps, ascending).
     pub fn pool(&self) -> &[usize] {
         &self.pool
+    }
+
+    /// The pool members outside `recent` (ascending; `recent` sorted): the events that may swap in.
+    pub(super) fn challengers(&self, recent: &[usize]) -> Vec<usize> {
+        self.pool
+            .iter()
+            .copied()
+            .filter(|s| recent.binary_search(s).is_err())
+            .collect()
     }
 
     /// Whether `step` is a pool member.

@@ -1,6 +1,6 @@
 //! [`Mode::Greedy`](super::Mode::Greedy): a single greedy swap loop from Recent-B.
 
-use super::compose::nan_low;
+use super::allocation::nan_low;
 use super::{Allocation, FeatureContext, MarginalModel, Swap};
 use crate::error::Result;
 
@@ -16,12 +16,7 @@ pub(super) fn greedy<M: MarginalModel + ?Sized>(
     let mut swaps = Vec::new();
     let mut rows = Vec::new();
     let mut scores = Vec::new();
-    let challengers: Vec<usize> = fc
-        .pool()
-        .iter()
-        .copied()
-        .filter(|s| recent.binary_search(s).is_err())
-        .collect();
+    let challengers = fc.challengers(&recent);
     let mut entered: Vec<usize> = Vec::new();
     while swaps.len() < max_swaps.min(budget) {
         // Eviction candidate: the recent member with the lowest marginal given the rest.
@@ -83,10 +78,7 @@ pub(super) fn greedy<M: MarginalModel + ?Sized>(
             entered_marginal,
         });
     }
-    let score = swaps
-        .iter()
-        .map(|s| s.entered_marginal as f64 - s.evicted_marginal as f64)
-        .sum();
+    let score = swaps.iter().map(Swap::gain).sum();
     Ok(Allocation {
         k: swaps.len(),
         steps: set,

@@ -62,9 +62,11 @@
 //!
 //! `feature` (decisions, events, [`FeatureContext`]), `model` (the [`MarginalModel`] trait),
 //! `scorer` ([`MarginalScorer`] and its file format), `kernels` (the MLP's dense/GELU kernels),
-//! `compose` ([`Mode`], [`compose`], [`compose_with`]) with one file per mode: `paper`, `greedy`,
-//! `reference` (also the beam search the oracle policy shares).
+//! `allocation` ([`Mode`], [`ComposeOptions`], [`Allocation`], [`Swap`]), `compose` ([`compose`],
+//! [`compose_with`]) with one file per mode: `paper`, `greedy`, `reference` (also the beam search
+//! the oracle policy shares).
 
+mod allocation;
 mod compose;
 mod feature;
 mod greedy;
@@ -74,7 +76,8 @@ mod paper;
 mod reference;
 mod scorer;
 
-pub use compose::{compose, compose_with, Allocation, ComposeOptions, Mode, Swap};
+pub use allocation::{Allocation, ComposeOptions, Mode, Swap};
+pub use compose::{compose, compose_with};
 pub use feature::{dedup_pool, features, recent_b, ActionBucket, DecisionContext, EventInfo, FeatureContext};
 pub use model::{MarginalModel, Negated};
 pub(crate) use reference::beam_search;

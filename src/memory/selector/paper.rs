@@ -47,12 +47,7 @@ pub(super) fn paper<M: MarginalModel + ?Sized>(
     max_rounds: usize,
     width: usize,
 ) -> Result<Allocation> {
-    let challengers: Vec<usize> = fc
-        .pool()
-        .iter()
-        .copied()
-        .filter(|s| recent.binary_search(s).is_err())
-        .collect();
+    let challengers = fc.challengers(&recent);
     let mut best = SwapPath {
         set: recent.clone(),
         score: 0.0,

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use super::compose::nan_low;
+use super::allocation::nan_low;
 use super::{Allocation, ComposeOptions, FeatureContext, MarginalModel};
 use crate::error::{Error, Result};
 
