@@ -95,3 +95,27 @@ pub fn check_file_size(path: &Path, len: u64, cap: u64) -> Result<()> {
     }
     Ok(())
 }
+
+/// Most bytes of a client's input an error message repeats ([`excerpt`]).
+pub const ECHO_BYTES: usize = 64;
+
+/// `s` as an error message may quote it: whole when short, else its first [`ECHO_BYTES`] bytes (on a
+/// character boundary) and its length, so that an error about a multi-megabyte field stays short.
+///
+/// ```
+/// use recall::limits::excerpt;
+/// assert_eq!(excerpt("a.png"), "`a.png`");
+/// let long = "iVBORw0KGgo".repeat(100_000);
+/// let e = excerpt(&long);
+/// assert!(e.len() < 120 && e.contains("1100000 bytes"), "{e}");
+/// ```
+pub fn excerpt(s: &str) -> String {
+    if s.len() <= ECHO_BYTES {
+        return format!("`{s}`");
+    }
+    let cut = (0..=ECHO_BYTES)
+        .rev()
+        .find(|&i| s.is_char_boundary(i))
+        .unwrap_or(0);
+    format!("`{}…` ({} bytes)", &s[..cut], s.len())
+}

@@ -184,8 +184,20 @@ fn bad_input_errors_name_the_field() {
             "messages[0].content[0].image_url",
         ),
         (
-            r#"[{"role": "assistant", "content": "", "tool_calls": []}]"#,
+            r#"[{"role": "assistant", "content": null, "tool_calls": [{"type": "function", "function": {"name": 3}}]}]"#,
+            "messages[0].tool_calls[0].function.name",
+        ),
+        (
+            r#"[{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]"#,
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+        (
+            r#"[{"role": "user", "content": "hi", "tool_calls": [{"function": {"name": "f"}}]}]"#,
             "messages[0].tool_calls",
+        ),
+        (
+            r#"[{"role": "assistant", "content": null}]"#,
+            "messages[0].content",
         ),
     ];
     for (json, field) in cases {
@@ -210,4 +222,44 @@ fn error_messages_are_readable() {
         err.to_string().contains("unknown content part type `audio`"),
         "{err}"
     );
+}
+
+/// Function calling against Hugging Face: each case of `tests/fixtures/chat/tool_cases.json` is an
+/// OpenAI request (client-form `tools`, `content: null`, JSON-string `arguments`) that
+/// tools/gen_chat_fixtures.py normalised as vLLM does and rendered with the official template. recall
+/// parses the request (`parse_messages_value`, the server's `parse_tools`) and renders it natively:
+/// the same text, and the same ids.
+#[test]
+fn tools_and_tool_calls_render_as_hugging_face_does_after_vllms_normalisation() {
+    use recall::server::fields::Fields;
+    use recall::server::tools::parse_tools;
+    use recall::tokenize::chat::{parse_messages_value, render_chat_with_tools};
+    let path = root().join("tests/fixtures/chat/tool_cases.json");
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let tokenizer = Tokenizer::from_file(&root().join("models/qwen-vl-tokenizer/tokenizer.json")).unwrap();
+    let cases = doc["cases"].as_array().unwrap();
+    assert!(cases.len() >= 10);
+    for case in cases {
+        let name = case["name"].as_str().unwrap();
+        let family = ChatFamily::from_model_type(case["family"].as_str().unwrap()).unwrap();
+        let request = case["request"].as_object().unwrap();
+        let messages = parse_messages_value(&request["messages"], Path::new("request")).unwrap();
+        let tools = parse_tools(&Fields::new(request)).unwrap();
+        let add = case["add_generation_prompt"].as_bool().unwrap();
+        let text = render_chat_with_tools(family, &messages, &tools.tools, add).text;
+        assert_eq!(text, case["text"].as_str().unwrap(), "{name}");
+        let ids: Vec<u64> = tokenizer
+            .encode(&text)
+            .unwrap()
+            .into_iter()
+            .map(u64::from)
+            .collect();
+        let want: Vec<u64> = case["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap())
+            .collect();
+        assert_eq!(ids, want, "{name}");
+    }
 }

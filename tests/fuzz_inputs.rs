@@ -136,6 +136,14 @@ fn run(target: &str, data: &[u8]) -> Result<(), String> {
                 .map(drop)
                 .map_err(|e| format!("{e:?}"))
         }
+        "policy_request" => {
+            let Ok(serde_json::Value::Object(obj)) = serde_json::from_str(text()?) else {
+                return Err("not a JSON object".into());
+            };
+            recall::server::policy::parse_policy_request(&obj)
+                .map(drop)
+                .map_err(|e| format!("{e:?}"))
+        }
         "adapter" => {
             let Some((&pick, rest)) = data.split_first() else {
                 return Err("empty".into());

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Generate `tests/fixtures/chat/cases.json`: chat renderings by Hugging Face's Jinja chat templates.
+"""Generate `tests/fixtures/chat/cases.json` and `tool_cases.json`: chat renderings by Hugging Face's
+Jinja chat templates (the second with function tools and tool calls, normalised as vLLM does).
 
 Each case is rendered by `transformers` (`apply_chat_template`, the official Jinja template read from
 `models/<model>/chat_template.json`) and tokenized by the Qwen tokenizer in `models/qwen-vl-tokenizer/`.
@@ -178,6 +179,136 @@ CASES: list[tuple[str, list[dict], bool]] = [
 ]
 
 
+# Function calling: (name, request, add_generation_prompt). Each `request` is what an OpenAI client
+# sends (`tools` in the client's form, `content: null`, `arguments` as compact JSON strings); it is
+# normalised as vLLM does before templating (`vllm_tools`, `vllm_messages`) and rendered by the HF
+# template; tests/chat.rs checks that recall's request parsing plus native renderer give the same text.
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city. Temperatures in °C.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer",
+                       "minimum": 1, "default": 1.0, "multipleOf": 1e-05}}, "required": ["city"]},
+    },
+}
+MOBILE_USE = {
+    "type": "function",
+    "function": {
+        "parameters": {"properties": {"action": {"enum": ["click", "swipe"], "type": "string"},
+                                      "coordinate": {"type": "array"}}, "required": ["action"], "type": "object"},
+        "name": "mobile_use",
+        "strict": False,
+    },
+}
+BARE = {"type": "function", "function": {"name": "noop"}}
+CALL = {"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city":"Paris","days":2,"note":"ça va\\n"}'}}
+CLICK = {"id": "call_2", "type": "function",
+         "function": {"name": "mobile_use", "arguments": '{"action":"click","coordinate":[540,120],"scale":0.5}'}}
+EMPTY_ARGS = {"type": "function", "function": {"name": "noop", "arguments": ""}}
+
+TOOL_CASES: list[tuple[str, dict, bool]] = [
+    ("tools_no_system", {"tools": [WEATHER], "messages": [{"role": "user", "content": "Weather in Paris?"}]}, True),
+    (
+        "tools_with_system",
+        {"tools": [WEATHER, MOBILE_USE, BARE],
+         "messages": [{"role": "system", "content": "You are a GUI agent."}, {"role": "user", "content": "Go."}]},
+        True,
+    ),
+    (
+        "tools_list_system",
+        {"tools": [MOBILE_USE],
+         "messages": [{"role": "system", "content": [{"type": "text", "text": "Line one. "}, {"type": "text", "text": "Two."}]},
+                      {"role": "user", "content": [{"type": "text", "text": "Tap it."}, image_url("data:image/png;base64,AAAA")]}]},
+        True,
+    ),
+    (
+        "call_and_result",
+        {"tools": [WEATHER],
+         "messages": [{"role": "user", "content": "Weather in Paris?"},
+                      {"role": "assistant", "content": "Let me check.", "tool_calls": [CALL]},
+                      {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": 21}"},
+                      {"role": "user", "content": "Thanks."}]},
+        True,
+    ),
+    (
+        "calls_without_content",
+        {"tools": [WEATHER, MOBILE_USE, BARE],
+         "messages": [{"role": "user", "content": "Do both."},
+                      {"role": "assistant", "content": None, "tool_calls": [CALL, CLICK, EMPTY_ARGS]},
+                      {"role": "tool", "content": "sunny"},
+                      {"role": "tool", "content": [{"type": "text", "text": "clicked"}]},
+                      {"role": "tool", "content": ""}]},
+        True,
+    ),
+    (
+        "empty_content_and_call",
+        {"messages": [{"role": "user", "content": "Go."},
+                      {"role": "assistant", "content": "", "tool_calls": [CLICK]},
+                      {"role": "user", "content": [image_url("data:image/png;base64,AAAA")]}]},
+        True,
+    ),
+]
+
+
+def vllm_tools(tools: list[dict]) -> list[dict]:
+    """`[tool.model_dump() for tool in request.tools]`: type, then function's name, description and
+    parameters (None when absent), then any other member."""
+    out = []
+    for t in tools:
+        f = t["function"]
+        fn = {"name": f["name"], "description": f.get("description"), "parameters": f.get("parameters")}
+        fn.update({k: v for k, v in f.items() if k not in fn})
+        tool = {"type": "function", "function": fn}
+        tool.update({k: v for k, v in t.items() if k not in tool})
+        out.append(tool)
+    return out
+
+
+def vllm_messages(messages: list[dict]) -> list[dict]:
+    """vLLM's `parse_chat_messages` for an "openai"-format template: content as a list of parts (None
+    becomes []), tool-call arguments `json.loads`-ed (empty becomes {})."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if content is None:
+            content = []
+        elif isinstance(content, str):
+            content = [{"type": "text", "text": content}]
+        msg = {"role": m["role"], "content": content}
+        if m.get("tool_calls"):
+            msg["tool_calls"] = [
+                {**c, "function": {**c["function"],
+                                   "arguments": json.loads(c["function"]["arguments"]) if c["function"].get("arguments") else {}}}
+                for c in m["tool_calls"]
+            ]
+        out.append(msg)
+    return out
+
+
+def tool_cases(tokenizer, templates) -> list[dict]:
+    cases = []
+    for family, template in templates.items():
+        for name, request, add_generation_prompt in TOOL_CASES:
+            rendered = tokenizer.apply_chat_template(
+                vllm_messages(request["messages"]),
+                tools=vllm_tools(request.get("tools", [])) or None,
+                chat_template=template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+            )
+            cases.append({
+                "name": f"{family}/{name}",
+                "family": family,
+                "request": request,
+                "add_generation_prompt": add_generation_prompt,
+                "text": rendered,
+                "ids": tokenizer.encode(rendered, add_special_tokens=False),
+            })
+    return cases
+
+
 def load_tokenizer(tokenizer_dir: Path):
     from transformers import PreTrainedTokenizerFast
 
@@ -226,6 +357,10 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
     print(f"wrote {len(cases)} cases to {args.out}")
+    tools = dict(doc, cases=tool_cases(tokenizer, templates))
+    tools_out = args.out.with_name("tool_cases.json")
+    tools_out.write_text(json.dumps(tools, indent=1, ensure_ascii=False) + "\n")
+    print(f"wrote {len(tools['cases'])} cases to {tools_out}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ the coverage-guided fuzzer start inside each parser instead of at its first byte
     python3 tools/gen_fuzz_corpus.py
 """
 
+import base64
 import json
 import os
 import struct
@@ -77,6 +78,7 @@ def seeds() -> dict:
         "adapter": {"config": b"\x00" + read("hgkv-peft", "adapter_config.json"),
                     "weights": b"\x01" + read("hgkv-peft", "adapter_model.safetensors")},
         "selector_file": {"converted": read("selector", "converted.safetensors")},
+        "policy_request": {"recent_b2": policy_request()},
         "chat_request": {
             "minimal": json.dumps({"model": "recall", "messages": [{"role": "user", "content": "hi"}]}).encode(),
             "sampling": json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
@@ -84,6 +86,21 @@ def seeds() -> dict:
                                     "stream": True, "seed": 3}).encode(),
         },
     }
+
+
+def policy_request():
+    """A `causalcache.mobileworld.policy_request.v2` body: two past steps, both restored."""
+    png = base64.b64encode(read("vl-images", "icon.png")).decode()
+    response = "Action: Tap.\n<tool_call>\n{\"name\": \"mobile_use\", \"arguments\": {\"action\": \"click\", \"coordinate\": [1, 2]}}\n</tool_call>"
+    step = lambda i: {"step_id": i, "action": {"action_type": "click", "x": 1, "y": 2}, "action_text": "Tap.",
+                      "full_response": response, "policy_parsed": True, "screen_changed": True,
+                      "restored_observation_screenshot_png_base64": png}
+    return json.dumps({
+        "schema_version": "causalcache.mobileworld.policy_request.v2",
+        "task": {"instruction": "Open the clock"}, "step_id": 3, "screen_size": [24, 16],
+        "current_screenshot_png_base64": png, "history": [step(1), step(2)], "selected_event_step_ids": [1, 2],
+        "prompt_protocol": "mobile_agent_v3_5_gui_owl_official_faithful",
+    }).encode()
 
 
 def main():

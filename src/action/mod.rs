@@ -48,18 +48,23 @@
 //! Layout: `types` (platforms, points, the canonical [`Action`] and its queries, [`ParseError`]), `parse`
 //! (response text → tool call), `canonical` (the per-platform canonicalisation rules), `render`
 //! (desktop fold lines and canonical tool-call JSON), `matching` ([`equivalent`], [`casefold`]),
-//! `pixels` (grid → pixel conventions). A leaf module: it depends on nothing else in the crate.
+//! `pixels` (grid → pixel conventions), `mobileworld` (the CausalCache authors' MobileWorld actions).
+//! A leaf module: it depends on nothing else in the crate.
 
 mod canonical;
 mod matching;
+mod mobileworld;
 mod parse;
 mod pixels;
 mod render;
 mod types;
 
 pub use matching::{casefold, equivalent};
+pub use mobileworld::{mobileworld_action, parse_official, OfficialParse};
 pub(crate) use parse::py_strip;
-pub use parse::{action_line, action_line_or_fallback, parse_response, parse_tool_call, tool_call_text};
+pub use parse::{
+    action_line, action_line_or_fallback, parse_arguments, parse_response, parse_tool_call, tool_call_text,
+};
 pub use pixels::{to_pixels, Convention};
 pub use types::{Action, ActionArgs, ActionBucket, Button, ParseError, Platform, Point, Status};
 

@@ -105,6 +105,19 @@ pub fn parse_tool_call(value: &Value, platform: Platform) -> Result<Action, Pars
             found: name.to_string(),
         });
     }
+    parse_arguments(value, platform)
+}
+
+/// Canonicalises a tool call's `arguments` whatever its `name` (the CausalCache authors' MobileWorld
+/// server does not check the name).
+///
+/// ```
+/// use recall::action::{parse_arguments, Platform};
+/// let v = serde_json::json!({"name": "other", "arguments": {"action": "tap", "coordinate": [1, 2]}});
+/// assert_eq!(parse_arguments(&v, Platform::Mobile).unwrap().name(), "click");
+/// ```
+pub fn parse_arguments(value: &Value, platform: Platform) -> Result<Action, ParseError> {
+    let obj = value.as_object().ok_or(ParseError::NotAnObject)?;
     let args = obj
         .get("arguments")
         .and_then(Value::as_object)

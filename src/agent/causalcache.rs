@@ -34,6 +34,8 @@ pub struct TwoPassConfig {
     pub adapter: AdapterMode,
     /// Draft pass 2 from the proposal's tokens.
     pub draft: bool,
+    /// What ends a pass.
+    pub stop: StopRule,
 }
 
 impl Default for TwoPassConfig {
@@ -44,8 +46,21 @@ impl Default for TwoPassConfig {
             max_tokens: 256,
             adapter: AdapterMode::Off,
             draft: true,
+            stop: StopRule::EosOrToolCall,
         }
     }
+}
+
+/// What ends a pass's generation (besides `max_tokens`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StopRule {
+    /// The model's end-of-sequence ids or `</tool_call>`.
+    #[default]
+    EosOrToolCall,
+    /// `</tool_call>` alone: the CausalCache authors' MobileWorld policy server passes
+    /// `eos_token_id=</tool_call>` to `generate`, so an `<|im_end|>` does not stop it (and is then
+    /// left out of the text as a special token).
+    ToolCallOnly,
 }
 
 /// Milliseconds spent in each phase of a step.
@@ -217,26 +232,75 @@ fn generate(
     cfg: &TwoPassConfig,
     draft: Vec<u32>,
 ) -> Result<(Generation, usize, usize)> {
-    let params = agent_params(s, cfg.max_tokens);
+    let params = pass_params(s, cfg.max_tokens, cfg.stop);
     let opts = RequestOptions {
         adapter: cfg.adapter,
         draft,
         ..RequestOptions::default()
     };
-    let (g, out) = s.generate(prompt, params, opts)?;
+    let (mut g, out) = s.generate(prompt, params, opts)?;
+    if cfg.stop == StopRule::ToolCallOnly {
+        // Generation went on past any `<|im_end|>`: the text leaves special tokens out, as the
+        // authors' `batch_decode(..., skip_special_tokens=True)` does.
+        g.text = Some(s.tokenizer().decode_text(&g.tokens)?);
+    }
     Ok((g, out.reused_tokens, out.accepted_draft))
 }
 
 /// Greedy generation of at most `max_tokens` that ends at the model's eos or at `</tool_call>`, as
 /// GUI-Owl's serving does.
 pub fn agent_params(s: &dyn Session, max_tokens: usize) -> GenerateParams {
-    let mut eos = s.eos_token_ids();
+    pass_params(s, max_tokens, StopRule::EosOrToolCall)
+}
+
+/// Greedy generation of at most `max_tokens` that ends as `stop` says.
+pub fn pass_params(s: &dyn Session, max_tokens: usize, stop: StopRule) -> GenerateParams {
+    let mut eos = match stop {
+        StopRule::EosOrToolCall => s.eos_token_ids(),
+        StopRule::ToolCallOnly => Vec::new(),
+    };
     eos.extend(s.tokenizer().token_id("</tool_call>"));
     GenerateParams {
         max_tokens,
         eos_token_ids: eos,
         stop_strings: Vec::new(),
     }
+}
+
+/// Decision `t` answered in one pass on a given allocation (a client that chose its own restored
+/// events): no policy, no second pass.
+pub fn fixed_step(
+    s: &mut dyn Session,
+    episode: &Episode,
+    t: usize,
+    allocation: &[usize],
+    cfg: &TwoPassConfig,
+) -> Result<StepReport> {
+    let decision = episode.decision(t)?;
+    let recent = cfg.protocol.recent_b(t - 1, allocation.len());
+    let mut timings = Timings::default();
+    let clock = Instant::now();
+    let prompt = prompt_for(s, cfg.protocol, &decision, allocation)?;
+    timings.prepare1_ms = ms(clock);
+    let clock = Instant::now();
+    let (out, reused, _) = generate(s, &prompt, cfg, Vec::new())?;
+    timings.pass1_ms = ms(clock);
+    let text = out.text.unwrap_or_default();
+    let action = parse_response(&text, episode.platform);
+    Ok(StepReport {
+        t,
+        k: allocation.iter().filter(|s| !recent.contains(s)).count(),
+        pass2: false,
+        recent,
+        allocation: allocation.to_vec(),
+        proposal: text.clone(),
+        response: text,
+        action: action.map(|a| a.tool_call_json()).map_err(|e| e.to_string()),
+        matches_record: None,
+        timings,
+        reused_tokens: (reused, 0),
+        accepted_draft: 0,
+    })
 }
 
 /// The selector's view of decision `t`: every completed step with its screenshot hash, the action

@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use recall::backend::{select, Backend};
 use recall::tokenize::chat::{parse_messages, ChatMessage};
 use recall::with_backend;
@@ -19,12 +19,27 @@ pub struct GenerateArgs {
     /// A JSON array of OpenAI-style chat messages instead of --prompt (text and image parts).
     #[arg(long, conflicts_with = "prompt")]
     messages: Option<PathBuf>,
+    /// A JSON array of OpenAI function tools for the chat template (as a request's `tools`).
+    #[arg(long, requires = "messages")]
+    tools: Option<PathBuf>,
     /// Most tokens to generate.
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
     /// Stop once the output contains this string (repeatable).
     #[arg(long)]
     stop: Vec<String>,
+    /// Divide (positive) or multiply (negative) the logit of every token already in the prompt or
+    /// the output by this (HF transformers' repetition_penalty; 1: none).
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    /// Subtract this from a token's logit once per time it occurs in the output (OpenAI's
+    /// frequency_penalty).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    frequency_penalty: f32,
+    /// Subtract this from the logit of every token the output already has (OpenAI's
+    /// presence_penalty).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    presence_penalty: f32,
     /// Print the result as JSON (tokens, text, finish reason, timings).
     #[arg(long)]
     json: bool,
@@ -63,6 +78,18 @@ pub fn read_messages(path: &Path) -> Result<Vec<ChatMessage>> {
     Ok(parse_messages(&text, path)?)
 }
 
+/// A tools file, normalised as `recall serve` normalises a request's `tools`.
+fn read_tools(path: &Path) -> Result<Vec<serde_json::Value>> {
+    let text = recall::limits::read_capped(path, recall::limits::MAX_DOCUMENT_BYTES)?;
+    let tools: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+    let mut obj = serde_json::Map::new();
+    obj.insert("tools".into(), tools);
+    let parsed = recall::server::tools::parse_tools(&recall::server::fields::Fields::new(&obj))
+        .map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.message))?;
+    Ok(parsed.tools)
+}
+
 pub fn generate(a: GenerateArgs) -> Result<()> {
     with_backend!(select(a.model.backend.backend)?, be => generate_on(be, &a))
 }
@@ -74,7 +101,17 @@ fn generate_on<B: Backend>(be: B, a: &GenerateArgs) -> Result<()> {
         None => vec![ChatMessage::text("user", a.prompt.clone().unwrap_or_default())],
     };
     let start = std::time::Instant::now();
-    let (input, out, stats) = p.generate_chat_timed(&messages, a.max_tokens, &a.stop, a.profile)?;
+    let penalties = recall::engine::sampling::Penalties {
+        repetition: a.repetition_penalty,
+        frequency: a.frequency_penalty,
+        presence: a.presence_penalty,
+    };
+    let tools = match &a.tools {
+        Some(path) => read_tools(path)?,
+        None => Vec::new(),
+    };
+    let (input, out, stats) =
+        p.generate_chat_timed(&messages, &tools, a.max_tokens, &a.stop, &penalties, a.profile)?;
     let secs = start.elapsed().as_secs_f64();
     let prompt_tokens = input.ids.len();
     tracing::info!(

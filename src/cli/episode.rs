@@ -83,6 +83,7 @@ impl ReplayArgs {
             max_tokens: self.max_tokens,
             adapter: model.request_adapter(),
             draft,
+            ..TwoPassConfig::default()
         }
     }
 }

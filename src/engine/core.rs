@@ -13,7 +13,7 @@ use crate::backend::Backend;
 use crate::engine::postprocess::postprocess;
 use crate::engine::prompt::{FlatPrompt, ImageHash, ImageRole, Prompt, Segment};
 use crate::engine::runner::Runner;
-use crate::engine::sampling::{Sampler, Sampling, TokenLogprobs};
+use crate::engine::sampling::{Penalties, PenaltyState, Sampler, Sampling, TokenLogprobs};
 use crate::engine::scheduler::{Scheduler, Work};
 use crate::engine::sequence::{Injected, RequestId, Sequence, Task};
 use crate::engine::vision_cache::{VisionCache, VisionEntry};
@@ -78,9 +78,12 @@ pub struct RequestOptions {
     pub draft: Vec<u32>,
     /// Generation only: how tokens are chosen (greedy by default).
     pub sampling: Sampling,
-    /// Generation only: return each generated token's log-probability and this many most likely
-    /// alternatives.
+    /// Generation: return each generated token's log-probability and this many most likely
+    /// alternatives. Scoring: the same for every target token (`EngineOutput::logprobs`).
     pub logprobs: Option<usize>,
+    /// Generation only: repetition, frequency and presence penalties (none by default). They apply
+    /// to greedy decoding too; the logits are then chosen from on the host.
+    pub penalties: Penalties,
 }
 
 impl RequestOptions {
@@ -329,6 +332,9 @@ impl<'m, B: Backend> Engine<'m, B> {
         seq.want_logprobs = opts.logprobs;
         if !opts.sampling.is_greedy() {
             seq.sampler = Some(Sampler::new(opts.sampling.seed));
+        }
+        if !opts.penalties.is_none() && matches!(seq.task, Task::Generate(_)) {
+            seq.penalties = Some(PenaltyState::new(opts.penalties, &seq.tokens[..seq.prompt_len]));
         }
         if let Task::Generate(p) = &seq.task {
             let n = opts.draft.len().min(p.max_tokens);
@@ -663,9 +669,15 @@ fn validate_task(task: &Task, opts: &RequestOptions, has_tokenizer: bool) -> Res
                 return Err(Error::InvalidRequest("max_tokens must be at least 1".into()));
             }
             opts.sampling.validate()?;
+            opts.penalties.validate()?;
             if !opts.draft.is_empty() && !opts.sampling.is_greedy() {
                 return Err(Error::InvalidRequest(
                     "a draft is verified greedily; it cannot be combined with sampling".into(),
+                ));
+            }
+            if !opts.draft.is_empty() && !opts.penalties.is_none() {
+                return Err(Error::InvalidRequest(
+                    "a draft is verified on raw logits; it cannot be combined with penalties".into(),
                 ));
             }
         }

@@ -2,6 +2,7 @@
 //! a stop string or the token limit.
 
 use crate::backend::{Backend, OpTime};
+use crate::engine::sampling::{argmax_row, Penalties, PenaltyState};
 use crate::engine::PromptInput;
 use crate::error::{Error, Result};
 use crate::model::{LogitsFor, TextModel};
@@ -57,7 +58,7 @@ pub fn generate<B: Backend>(
     params: &GenerateParams,
     tokenizer: Option<&Tokenizer>,
 ) -> Result<Generation> {
-    Ok(generate_timed(be, model, prompt, params, tokenizer, false)?.0)
+    Ok(generate_timed(be, model, prompt, params, tokenizer, &Penalties::NONE, false)?.0)
 }
 
 /// Where the time of a generation went.
@@ -75,15 +76,18 @@ pub struct GenerationStats {
     pub decode_ops: Vec<OpTime>,
 }
 
-/// [`generate`], timed (and with `profile`, op by op: the backend's [`Backend::set_profiling`]).
+/// [`generate`] under `penalties` (greedy on the penalised logits), timed (and with `profile`, op by
+/// op: the backend's [`Backend::set_profiling`]).
 pub fn generate_timed<B: Backend>(
     be: &B,
     model: &TextModel<B>,
     prompt: &PromptInput<B::Tensor>,
     params: &GenerateParams,
     tokenizer: Option<&Tokenizer>,
+    penalties: &Penalties,
     profile: bool,
 ) -> Result<(Generation, GenerationStats)> {
+    penalties.validate()?;
     if prompt.ids.is_empty() {
         return Err(Error::InvalidRequest("the prompt is empty".into()));
     }
@@ -100,6 +104,7 @@ pub fn generate_timed<B: Backend>(
     }
     let mut cache = model.new_cache(be, needed)?;
     let mut tokens: Vec<u32> = Vec::new();
+    let mut seen = (!penalties.is_none()).then(|| PenaltyState::new(*penalties, &prompt.ids));
     let mut stats = GenerationStats::default();
     be.set_profiling(profile);
     let finish = loop {
@@ -119,7 +124,15 @@ pub fn generate_timed<B: Backend>(
                 model.forward(be, &[last], &pos, None, lora, &mut cache, LogitsFor::Last, false)?
             }
         };
-        tokens.push(be.argmax(&out.logits)?[0]);
+        let next = match &mut seen {
+            None => be.argmax(&out.logits)?[0],
+            Some(seen) => {
+                let next = argmax_row(&seen.penalised(&be.download(&out.logits)?));
+                seen.push(next);
+                next
+            }
+        };
+        tokens.push(next);
         let seconds = clock.elapsed().as_secs_f64();
         if tokens.len() == 1 {
             stats.prefill_seconds = seconds;

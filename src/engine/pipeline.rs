@@ -6,10 +6,11 @@ use std::path::Path;
 use crate::backend::Backend;
 use crate::engine::generate::{generate_timed, GenerationStats};
 use crate::engine::prompt::{ImageHash, ImageRole, Prompt, Segment};
+use crate::engine::sampling::Penalties;
 use crate::engine::{generate, score, Engine, EngineConfig, GenerateParams, Generation, PromptInput, Score};
 use crate::error::{Error, Result};
 use crate::model::{rope_index, AdapterMode, Family, GridThw, LogitsFor, QwenVl, Span, VisualFeatures};
-use crate::tokenize::chat::{render_chat_with_images, ChatFamily, ChatMessage};
+use crate::tokenize::chat::{render_chat_with_tools, ChatFamily, ChatMessage, RenderedChat};
 use crate::tokenize::Tokenizer;
 use crate::vision::{preprocess, preprocess_image, ImageSource, PixelValues, PreprocessConfig};
 use image::RgbImage;
@@ -103,7 +104,18 @@ impl<B: Backend> Pipeline<B> {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<PromptInput<B::Tensor>> {
-        let rendered = render_chat_with_images(self.chat_family(), messages, add_generation_prompt);
+        self.prepare_with_tools(messages, &[], add_generation_prompt)
+    }
+
+    /// [`prepare`](Self::prepare) with function tools in the template (OpenAI's form, as the
+    /// server normalises them).
+    pub fn prepare_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[serde_json::Value],
+        add_generation_prompt: bool,
+    ) -> Result<PromptInput<B::Tensor>> {
+        let rendered = render_chat_with_tools(self.chat_family(), messages, tools, add_generation_prompt);
         let ids = self.tokenizer.encode(&rendered.text)?;
         if rendered.images.is_empty() {
             return Ok(PromptInput {
@@ -253,10 +265,22 @@ impl<B: Backend> Pipeline<B> {
         hash: ImageHash,
         img: &RgbImage,
     ) -> Result<GridThw> {
+        self.encode_decoded_with(engine, hash, img, &self.preprocess)
+    }
+
+    /// [`encode_decoded`](Self::encode_decoded) under another preprocessing (a request's own pixel
+    /// budget); `hash` must say which ([`ImageHash::with_pixels`]).
+    pub fn encode_decoded_with(
+        &self,
+        engine: &mut Engine<'_, B>,
+        hash: ImageHash,
+        img: &RgbImage,
+        cfg: &PreprocessConfig,
+    ) -> Result<GridThw> {
         if let Some(grid) = engine.image_grid(hash) {
             return Ok(grid);
         }
-        let pixels = preprocess_image(img, &self.preprocess)?;
+        let pixels = preprocess_image(img, cfg)?;
         engine.add_image(hash, &pixels)?;
         Ok(pixels.grid_thw)
     }
@@ -306,15 +330,18 @@ impl<B: Backend> Pipeline<B> {
 
     /// [`generate_chat`](Self::generate_chat), timed: the vision tower (in the prompt), the prefill
     /// and the decode steps, and with `profile` each phase op by op.
+    #[allow(clippy::too_many_arguments)]
     pub fn generate_chat_timed(
         &self,
         messages: &[ChatMessage],
+        tools: &[serde_json::Value],
         max_tokens: usize,
         stop_strings: &[String],
+        penalties: &Penalties,
         profile: bool,
     ) -> Result<(PromptInput<B::Tensor>, Generation, GenerationStats)> {
         self.backend.set_profiling(profile);
-        let prompt = self.prepare(messages, true);
+        let prompt = self.prepare_with_tools(messages, tools, true);
         let vision_ops = self.backend.take_profile()?;
         let prompt = prompt?;
         let params = GenerateParams {
@@ -328,6 +355,7 @@ impl<B: Backend> Pipeline<B> {
             &prompt,
             &params,
             Some(&self.tokenizer),
+            penalties,
             profile,
         )?;
         stats.vision_ops = vision_ops;
@@ -401,7 +429,20 @@ impl ChatRenderer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<(Vec<u32>, Vec<String>)> {
-        let rendered = render_chat_with_images(self.family, messages, add_generation_prompt);
+        let (ids, rendered) = self.render_ids(tokenizer, messages, &[], add_generation_prompt)?;
+        Ok((ids, rendered.images))
+    }
+
+    /// [`ids`](Self::ids) with the request's tools in the template, and the whole rendering (which
+    /// message part each image came from).
+    pub fn render_ids(
+        &self,
+        tokenizer: &Tokenizer,
+        messages: &[ChatMessage],
+        tools: &[serde_json::Value],
+        add_generation_prompt: bool,
+    ) -> Result<(Vec<u32>, RenderedChat)> {
+        let rendered = render_chat_with_tools(self.family, messages, tools, add_generation_prompt);
         let ids = tokenizer.encode(&rendered.text)?;
         let pad = self.image_pad.unwrap_or(u32::MAX);
         let pads = ids.iter().filter(|&&t| t == pad).count();
@@ -415,7 +456,7 @@ impl ChatRenderer {
                 )
             }));
         }
-        Ok((ids, rendered.images))
+        Ok((ids, rendered))
     }
 
     /// The engine prompt of `ids` (from [`ids`](Self::ids)) with each image-pad id replaced by its

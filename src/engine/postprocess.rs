@@ -58,8 +58,8 @@ fn decide<B: Backend>(
         } else {
             None
         };
-        let next = match (&mut s.sampler, &row) {
-            (Some(sampler), Some(row)) if !s.sampling.is_greedy() => sampler.sample(row, &s.sampling),
+        let next = match &row {
+            Some(row) if s.penalties.is_some() || !s.sampling.is_greedy() => choose_on_host(s, row),
             // Greedy stays on the device's argmax, so that asking for logprobs changes no token.
             _ => be.argmax(logits)?[0],
         };
@@ -82,6 +82,17 @@ fn decide<B: Backend>(
         return Ok(None);
     }
     verify(blocks, tokenizer, s)
+}
+
+/// The next token from a host row: penalised first (when the request has penalties), then greedy or
+/// sampled.
+fn choose_on_host<T>(s: &mut Sequence<T>, row: &[f32]) -> u32 {
+    let penalised = s.penalties.as_ref().map(|p| p.penalised(row));
+    let row = penalised.as_deref().unwrap_or(row);
+    match &mut s.sampler {
+        Some(sampler) if !s.sampling.is_greedy() => sampler.sample(row, &s.sampling),
+        _ => crate::engine::sampling::argmax_row(row),
+    }
 }
 
 /// Greedy verification of a draft: accepts the predictions up to and including the first one that
@@ -141,6 +152,9 @@ fn accept<T>(
         s.decision_logits.extend(logits_row);
     }
     s.generated.push(next);
+    if let Some(p) = &mut s.penalties {
+        p.push(next);
+    }
     if let Some(finish) = finish_reason(params, &s.generated, tokenizer)? {
         let text = tokenizer.map(|t| t.decode(&s.generated)).transpose()?;
         return Ok(Some(Outcome::Generation(Generation {
@@ -171,6 +185,14 @@ fn collect_logprobs<B: Backend>(
     let rows = be.rows(logits, first - w.start, last - first)?;
     let targets = &s.tokens[first + 1..last + 1];
     s.logprobs.extend(be.log_softmax_gather(&rows, targets)?);
+    if let Some(n) = s.want_logprobs {
+        // Prompt log-probs with alternatives (a completions request with `echo` and `logprobs`).
+        let data = be.download(&rows)?;
+        let vocab = be.dims(&rows).1;
+        for (row, &t) in data.chunks(vocab).zip(targets) {
+            s.token_logprobs.push(token_logprobs(row, t, n));
+        }
+    }
     Ok(())
 }
 

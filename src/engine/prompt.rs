@@ -18,6 +18,23 @@ impl ImageHash {
         h.update(img.as_raw());
         ImageHash(h.digest())
     }
+
+    /// The key of these pixels resized under another pixel budget than the engine's default: the
+    /// vision cache (and every KV block after the image) must tell the two encodings apart.
+    ///
+    /// ```
+    /// use recall::engine::ImageHash;
+    /// let h = ImageHash(7);
+    /// assert_ne!(h.with_pixels(3136, 12845056), h);
+    /// assert_ne!(h.with_pixels(3136, 12845056), h.with_pixels(3136, 1003520));
+    /// ```
+    pub fn with_pixels(self, min_pixels: usize, max_pixels: usize) -> Self {
+        let mut h = xxhash_rust::xxh64::Xxh64::new(0x00b0_d6e7);
+        h.update(&self.0.to_le_bytes());
+        h.update(&(min_pixels as u64).to_le_bytes());
+        h.update(&(max_pixels as u64).to_le_bytes());
+        ImageHash(h.digest())
+    }
 }
 
 /// What an image is in an agent's prompt. Only restored history screenshots are gated by HGKV.

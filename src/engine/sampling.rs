@@ -73,6 +73,135 @@ impl Sampling {
     }
 }
 
+/// Penalties on tokens the sequence has already seen, applied to the logits before anything chooses
+/// from them (greedy or sampled), in vLLM's order:
+///
+/// 1. `repetition` (HF transformers' `RepetitionPenaltyLogitsProcessor`, CTRL's penalty): every token of
+///    the prompt or of the output so far has its logit divided by it when positive and multiplied by it
+///    otherwise;
+/// 2. `frequency` (OpenAI): subtracted once per occurrence of the token in the output so far;
+/// 3. `presence` (OpenAI): subtracted once from every token that occurs in the output so far.
+///
+/// The neutral values are 1, 0 and 0 ([`Penalties::NONE`]). Reported log-probabilities stay those of
+/// the raw logits, as vLLM reports them by default.
+///
+/// ```
+/// use recall::engine::sampling::Penalties;
+/// let p = Penalties { repetition: 2.0, frequency: 0.5, presence: 0.25 };
+/// let mut logits = vec![4.0, -1.0, 3.0];
+/// // Token 0 is in the prompt; token 1 was generated twice.
+/// p.apply(&mut logits, &[0], &[(1, 2)]);
+/// assert_eq!(logits, vec![2.0, -2.0 - 1.0 - 0.25, 3.0]);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Penalties {
+    pub repetition: f32,
+    pub frequency: f32,
+    pub presence: f32,
+}
+
+impl Default for Penalties {
+    fn default() -> Self {
+        Penalties::NONE
+    }
+}
+
+impl Penalties {
+    /// No penalty.
+    pub const NONE: Penalties = Penalties {
+        repetition: 1.0,
+        frequency: 0.0,
+        presence: 0.0,
+    };
+
+    /// Whether these change no logit.
+    pub fn is_none(&self) -> bool {
+        *self == Penalties::NONE
+    }
+
+    /// Checks that the penalties are usable: `repetition` positive, all finite.
+    pub fn validate(&self) -> Result<()> {
+        if !(self.repetition.is_finite() && self.repetition > 0.0) {
+            return Err(Error::InvalidRequest(format!(
+                "repetition_penalty {} must be a positive number",
+                self.repetition
+            )));
+        }
+        for (name, x) in [
+            ("frequency_penalty", self.frequency),
+            ("presence_penalty", self.presence),
+        ] {
+            if !x.is_finite() {
+                return Err(Error::InvalidRequest(format!("{name} {x} is not finite")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Penalises `logits` in place: `prompt` lists the distinct prompt tokens, `output` each distinct
+    /// output token with its count. Ids outside the row are ignored. Each logit changes through the
+    /// same float operations as in vLLM's `apply_penalties` (and, for the repetition penalty, HF's
+    /// processor), so the results agree bit for bit.
+    pub fn apply(&self, logits: &mut [f32], prompt: &[u32], output: &[(u32, u32)]) {
+        if self.repetition != 1.0 {
+            let r = self.repetition;
+            let mut seen: Vec<u32> = prompt.iter().copied().chain(output.iter().map(|o| o.0)).collect();
+            seen.sort_unstable();
+            seen.dedup();
+            for t in seen {
+                if let Some(x) = logits.get_mut(t as usize) {
+                    *x = if *x > 0.0 { *x / r } else { *x * r };
+                }
+            }
+        }
+        for &(t, count) in output {
+            if let Some(x) = logits.get_mut(t as usize) {
+                *x -= self.frequency * count as f32;
+                *x -= self.presence;
+            }
+        }
+    }
+}
+
+/// What a sequence's penalties need to know: its distinct prompt tokens and the counts of what it has
+/// generated so far.
+#[derive(Debug, Clone)]
+pub(crate) struct PenaltyState {
+    pub penalties: Penalties,
+    prompt: Vec<u32>,
+    output: std::collections::BTreeMap<u32, u32>,
+}
+
+impl PenaltyState {
+    pub fn new(penalties: Penalties, prompt: &[u32]) -> Self {
+        let mut prompt = prompt.to_vec();
+        prompt.sort_unstable();
+        prompt.dedup();
+        PenaltyState {
+            penalties,
+            prompt,
+            output: Default::default(),
+        }
+    }
+
+    /// Counts a generated token.
+    pub fn push(&mut self, token: u32) {
+        *self.output.entry(token).or_insert(0) += 1;
+    }
+
+    /// The penalised copy of a logits row.
+    pub fn penalised(&self, row: &[f32]) -> Vec<f32> {
+        let mut out = row.to_vec();
+        let output: Vec<(u32, u32)> = self.output.iter().map(|(&t, &c)| (t, c)).collect();
+        self.penalties.apply(&mut out, &self.prompt, &output);
+        out
+    }
+}
+
+/// Greedy choice on a host row: the CPU backend's argmax, so a host decision picks what the device's
+/// argmax would.
+pub use crate::backend::cpu::argmax_row;
+
 /// A request's random generator: ChaCha8 (a specified stream, so a seed means the same numbers on
 /// every platform and version of this crate).
 pub(crate) struct Sampler {

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use crate::engine::prompt::FlatPrompt;
-use crate::engine::sampling::{Sampler, Sampling, TokenLogprobs};
+use crate::engine::sampling::{PenaltyState, Sampler, Sampling, TokenLogprobs};
 use crate::engine::vision_cache::VisionEntry;
 use crate::engine::GenerateParams;
 use crate::kv::{SeqId, TokenKey};
@@ -76,6 +76,8 @@ pub(crate) struct Sequence<T> {
     /// How the next token is chosen, and the generator when it is sampled.
     pub sampling: Sampling,
     pub sampler: Option<Sampler>,
+    /// Repetition, frequency and presence penalties, with the tokens they count (`None`: none).
+    pub penalties: Option<PenaltyState>,
     /// Log-probabilities to return per generated token: `Some(n)` with the `n` most likely
     /// alternatives.
     pub want_logprobs: Option<usize>,
@@ -124,6 +126,7 @@ impl<T> Sequence<T> {
             accepted_draft: 0,
             sampling: Sampling::greedy(),
             sampler: None,
+            penalties: None,
             want_logprobs: None,
             token_logprobs: Vec::new(),
             forwards: 0,
@@ -207,10 +210,13 @@ impl<T> Sequence<T> {
         }
     }
 
-    /// Whether a generation step needs the logits row on the host (logprobs, sampling, or returned
-    /// logits), not just the device argmax.
+    /// Whether a generation step needs the logits row on the host (logprobs, sampling, penalties or
+    /// returned logits), not just the device argmax.
     pub fn needs_rows(&self) -> bool {
-        self.return_logits || self.want_logprobs.is_some() || !self.sampling.is_greedy()
+        self.return_logits
+            || self.want_logprobs.is_some()
+            || !self.sampling.is_greedy()
+            || self.penalties.is_some()
     }
 
     /// Forgets everything computed (the sequence's blocks were given back): it is prefilled again
@@ -222,6 +228,9 @@ impl<T> Sequence<T> {
         self.draft_preds.clear();
         self.draft_logits.clear();
         self.logprobs.clear();
+        if matches!(self.task, Task::Score { .. }) {
+            self.token_logprobs.clear();
+        }
         self.preemptions += 1;
     }
 

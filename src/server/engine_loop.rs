@@ -41,6 +41,8 @@ pub struct ModelInfo {
     /// Tokens of context (prompt plus generation).
     pub max_context: usize,
     pub hidden_size: usize,
+    /// Rows of the model's embedding matrix: token ids a request may send.
+    pub vocab_size: usize,
     /// `cpu` or `cuda`, and what it runs on.
     pub backend: String,
     pub device: String,
@@ -56,6 +58,8 @@ pub struct ModelInfo {
 pub struct PreparedImage {
     pub hash: ImageHash,
     pub image: Option<Arc<RgbImage>>,
+    /// The preprocessing of a request's own pixel budget (`None`: the server's).
+    pub preprocess: Option<Arc<PreprocessConfig>>,
 }
 
 /// A chat rendered and tokenized off the engine thread: token ids (one image-pad id per image) and
@@ -135,6 +139,8 @@ pub struct EngineSpec {
     pub tokenizer: Option<std::path::PathBuf>,
     pub adapter: Option<(std::path::PathBuf, AdapterMode)>,
     pub backend: BackendChoice,
+    /// `--min-pixels`, `--max-pixels`: the server's screenshot budget over the checkpoint's.
+    pub pixels: (Option<usize>, Option<usize>),
     pub engine: EngineConfig,
     pub name: String,
 }
@@ -269,6 +275,18 @@ fn run_thread<B: Backend>(
     if let Some((path, mode)) = &spec.adapter {
         p.load_adapter(path, *mode)?;
     }
+    if spec.pixels != (None, None) {
+        let min = spec.pixels.0.unwrap_or(p.preprocess.min_pixels);
+        let max = spec.pixels.1.unwrap_or(p.preprocess.max_pixels);
+        let side = p.preprocess.factor().pow(2);
+        if min > max || max < side {
+            return Err(Error::InvalidRequest(format!(
+                "--min-pixels {min} and --max-pixels {max}: need min <= max and max >= {side} (one merged patch)"
+            )));
+        }
+        p.preprocess = p.preprocess.clone().with_pixels(min, max);
+        tracing::info!(min, max, "screenshot pixel budget");
+    }
     let engine = p.engine(spec.engine.clone())?;
     let text = p.model.text.config();
     let info = ModelInfo {
@@ -279,6 +297,7 @@ fn run_thread<B: Backend>(
         eos_token_ids: p.eos_token_ids(),
         max_context: text.max_position_embeddings,
         hidden_size: text.hidden_size,
+        vocab_size: text.vocab_size,
         backend: p.backend.name().to_string(),
         device,
         adapter: spec.adapter.as_ref().map(|a| a.1),
@@ -345,7 +364,10 @@ fn build_prompt<B: Backend>(
     let mut images = Vec::with_capacity(chat.images.len());
     for im in &chat.images {
         let grid = match &im.image {
-            Some(img) => p.encode_decoded(engine, im.hash, img)?,
+            Some(img) => {
+                let cfg = im.preprocess.as_deref().unwrap_or(&p.preprocess);
+                p.encode_decoded_with(engine, im.hash, img, cfg)?
+            }
             None => engine.image_grid(im.hash).ok_or_else(|| {
                 Error::InvalidRequest(format!("image {:016x} left the vision cache", im.hash.0))
             })?,

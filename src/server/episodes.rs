@@ -38,7 +38,8 @@ use crate::memory::protocol::{render, render_decision, Protocol};
 use crate::memory::selector::Mode;
 use crate::model::AdapterMode;
 use crate::server::error::ApiError;
-use crate::server::openai::{json_object, rand_id};
+use crate::server::fields::{json_object, Fields};
+use crate::server::reply::rand_id;
 use crate::server::session::RemoteSession;
 use crate::server::AppState;
 
@@ -200,6 +201,11 @@ impl EpisodeStore {
         })
     }
 
+    /// The directory episodes are recorded under.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     /// How long an episode lives without a step.
     pub fn ttl(&self) -> Duration {
         self.ttl
@@ -221,8 +227,11 @@ impl EpisodeStore {
             .lock()
             .map_err(|_| ApiError::internal("episode store lock poisoned"))?;
         let e = m.get(id).ok_or_else(|| {
-            ApiError::not_found(format!("episode `{id}` does not exist (or expired)"))
-                .with_code("episode_not_found")
+            ApiError::not_found(format!(
+                "episode {} does not exist (or expired)",
+                crate::limits::excerpt(id)
+            ))
+            .with_code("episode_not_found")
         })?;
         if let Ok(mut t) = e.last_used.lock() {
             *t = Instant::now();
@@ -287,7 +296,7 @@ impl EpisodeStore {
 
 /// `POST /v1/episodes`.
 pub async fn create(State(app): State<Arc<AppState>>, body: Bytes) -> Response {
-    into_response(create_inner(&app, &body).await)
+    crate::server::reply::respond(create_inner(&app, &body).await)
 }
 
 async fn create_inner(app: &Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
@@ -354,53 +363,20 @@ const EPISODE_FIELDS: &[&str] = &[
     "placement",
 ];
 
-/// Typed access to the members of an episode request body (`null` reads as absent).
-#[derive(Clone, Copy)]
-struct Fields<'a>(&'a Map<String, Value>);
-
-impl<'a> Fields<'a> {
-    fn string(self, key: &str) -> Result<Option<&'a str>, ApiError> {
-        match self.0.get(key) {
-            None | Some(Value::Null) => Ok(None),
-            Some(Value::String(s)) => Ok(Some(s)),
-            Some(_) => Err(ApiError::bad(key, format!("`{key}` must be a string"))),
-        }
-    }
-
-    fn uint(self, key: &str) -> Result<Option<u64>, ApiError> {
-        match self.0.get(key) {
-            None | Some(Value::Null) => Ok(None),
-            Some(v) => v
-                .as_u64()
-                .map(Some)
-                .ok_or_else(|| ApiError::bad(key, format!("`{key}` must be a non-negative integer"))),
-        }
-    }
-
-    /// The string member `key` parsed with [`FromStr`](std::str::FromStr), if present.
-    fn parsed<T: std::str::FromStr<Err = crate::Error>>(self, key: &str) -> Result<Option<T>, ApiError> {
-        self.string(key)?
-            .map(|v| v.parse::<T>().map_err(|e| ApiError::bad(key, e.to_string())))
-            .transpose()
-    }
-}
-
 fn parse_config(app: &AppState, obj: &Map<String, Value>) -> Result<EpisodeConfig, ApiError> {
-    for key in obj.keys().filter(|k| !EPISODE_FIELDS.contains(&k.as_str())) {
-        tracing::warn!("ignoring unknown episode field `{key}`");
-    }
-    let fields = Fields(obj);
+    let fields = Fields::new(obj);
+    fields.warn_unknown(EPISODE_FIELDS, "episode");
     let instruction = fields
         .string("instruction")?
         .filter(|s| !s.trim().is_empty())
         .ok_or_else(|| ApiError::bad("instruction", "`instruction` is required (a non-empty string)"))?
         .to_string();
-    let (platform, protocol) = parse_platform_protocol(fields)?;
-    let method = parse_method(app, fields)?;
-    let policy_name = parse_policy_name(app, fields, method)?;
+    let (platform, protocol) = parse_platform_protocol(&fields)?;
+    let method = parse_method(app, &fields)?;
+    let policy_name = parse_policy_name(app, &fields, method)?;
     let mode = fields.parsed::<Mode>("mode")?.unwrap_or(Mode::Paper);
-    let max_tokens = parse_max_tokens(app, fields)?;
-    let adapter = parse_adapter(app, fields)?;
+    let max_tokens = parse_max_tokens(app, &fields)?;
+    let adapter = parse_adapter(app, &fields)?;
     let draft = match obj.get("draft") {
         None | Some(Value::Null) => true,
         Some(Value::Bool(b)) => *b,
@@ -427,7 +403,7 @@ fn parse_config(app: &AppState, obj: &Map<String, Value>) -> Result<EpisodeConfi
 }
 
 /// `platform` and `protocol`, either implying the other (mobile when neither is given); they must agree.
-fn parse_platform_protocol(fields: Fields<'_>) -> Result<(Platform, Protocol), ApiError> {
+fn parse_platform_protocol(fields: &Fields<'_>) -> Result<(Platform, Protocol), ApiError> {
     let platform = match fields.string("platform")? {
         None => None,
         Some(p) => Some(Platform::from_name(p).ok_or_else(|| {
@@ -455,7 +431,7 @@ fn parse_platform_protocol(fields: Fields<'_>) -> Result<(Platform, Protocol), A
 }
 
 /// `method` (default `causalcache`); `scopemem` needs the server's encoder.
-fn parse_method(app: &AppState, fields: Fields<'_>) -> Result<Method, ApiError> {
+fn parse_method(app: &AppState, fields: &Fields<'_>) -> Result<Method, ApiError> {
     let method = match fields.string("method")?.unwrap_or("causalcache") {
         "causalcache" => Method::CausalCache,
         "scopemem" => Method::ScopeMem,
@@ -478,7 +454,7 @@ fn parse_method(app: &AppState, fields: Fields<'_>) -> Result<Method, ApiError> 
 
 /// The allocation policy's name: `policy` for CausalCache (default `selector` when the server has a
 /// scorer, else `recent`), `recent` for the other methods. The scored policies need the scorer.
-fn parse_policy_name(app: &AppState, fields: Fields<'_>, method: Method) -> Result<String, ApiError> {
+fn parse_policy_name(app: &AppState, fields: &Fields<'_>, method: Method) -> Result<String, ApiError> {
     let default_policy = if app.selector.is_some() {
         "selector"
     } else {
@@ -498,7 +474,7 @@ fn parse_policy_name(app: &AppState, fields: Fields<'_>, method: Method) -> Resu
 }
 
 /// `max_tokens` (default 256), in `1..max_context`.
-fn parse_max_tokens(app: &AppState, fields: Fields<'_>) -> Result<usize, ApiError> {
+fn parse_max_tokens(app: &AppState, fields: &Fields<'_>) -> Result<usize, ApiError> {
     let max_tokens = fields.uint("max_tokens")?.unwrap_or(256) as usize;
     if max_tokens == 0 || max_tokens >= app.engine.info.max_context {
         return Err(ApiError::bad(
@@ -510,7 +486,7 @@ fn parse_max_tokens(app: &AppState, fields: Fields<'_>) -> Result<usize, ApiErro
 }
 
 /// `adapter` (default: the server's mode, else off); only `off` on a server without an adapter.
-fn parse_adapter(app: &AppState, fields: Fields<'_>) -> Result<AdapterMode, ApiError> {
+fn parse_adapter(app: &AppState, fields: &Fields<'_>) -> Result<AdapterMode, ApiError> {
     Ok(match fields.string("adapter")? {
         None => app.engine.info.adapter.unwrap_or(AdapterMode::Off),
         Some(a) => {
@@ -530,7 +506,7 @@ fn parse_adapter(app: &AppState, fields: Fields<'_>) -> Result<AdapterMode, ApiE
 
 /// `GET /v1/episodes/{id}`.
 pub async fn get(State(app): State<Arc<AppState>>, UrlPath(id): UrlPath<String>) -> Response {
-    into_response(
+    crate::server::reply::respond(
         async {
             let state = app.episodes.get(&id)?;
             let st = state.lock().await;
@@ -549,12 +525,16 @@ pub async fn get_step(
     State(app): State<Arc<AppState>>,
     UrlPath((id, t)): UrlPath<(String, usize)>,
 ) -> Response {
-    into_response(
+    crate::server::reply::respond(
         async {
             let state = app.episodes.get(&id)?;
             let st = state.lock().await;
             let view = st.views.get(t.wrapping_sub(1)).ok_or_else(|| {
-                ApiError::not_found(format!("episode `{id}` has steps 1..={}", st.views.len()))
+                ApiError::not_found(format!(
+                    "episode {} has steps 1..={}",
+                    crate::limits::excerpt(&id),
+                    st.views.len()
+                ))
             })?;
             let messages = render_decision(
                 st.config.protocol,
@@ -574,7 +554,7 @@ pub async fn get_step(
 
 /// `DELETE /v1/episodes/{id}`.
 pub async fn delete(State(app): State<Arc<AppState>>, UrlPath(id): UrlPath<String>) -> Response {
-    into_response(
+    crate::server::reply::respond(
         async {
             let state = app.episodes.get(&id)?;
             let st = state.try_lock().map_err(|_| conflict(&id))?;
@@ -596,7 +576,7 @@ fn conflict(id: &str) -> ApiError {
 
 /// `POST /v1/episodes/{id}/steps`: `{"image_url": {"url": ...}}` (or `"image_url": "..."`).
 pub async fn step(State(app): State<Arc<AppState>>, UrlPath(id): UrlPath<String>, body: Bytes) -> Response {
-    into_response(step_inner(&app, &id, &body).await)
+    crate::server::reply::respond(step_inner(&app, &id, &body).await)
 }
 
 async fn step_inner(app: &Arc<AppState>, id: &str, body: &[u8]) -> Result<Response, ApiError> {
@@ -742,6 +722,7 @@ impl EpisodeState {
                     max_tokens: cfg.max_tokens,
                     adapter: cfg.adapter,
                     draft: cfg.draft,
+                    ..TwoPassConfig::default()
                 };
                 let r = two_pass_step(
                     s,
@@ -850,8 +831,4 @@ fn scopemem_detail(o: &Opinions, ms: f64) -> Value {
         "accepted_draft": o.accepted_draft,
         "timings_ms": {"step_ms": ms},
     })
-}
-
-fn into_response(r: Result<Response, ApiError>) -> Response {
-    r.unwrap_or_else(IntoResponse::into_response)
 }

@@ -73,6 +73,15 @@ impl ApiError {
         Self::invalid(message).with_status(StatusCode::INTERNAL_SERVER_ERROR, "server_error")
     }
 
+    /// A 408: the request took longer than `d` (`--request-timeout`).
+    pub fn timeout(d: std::time::Duration) -> Self {
+        Self::invalid(format!(
+            "the request took longer than the server's limit of {d:?}"
+        ))
+        .with_status(StatusCode::REQUEST_TIMEOUT, "timeout_error")
+        .with_code("request_timeout")
+    }
+
     pub fn unavailable(message: impl Into<String>) -> Self {
         Self::invalid(message).with_status(StatusCode::SERVICE_UNAVAILABLE, "server_error")
     }

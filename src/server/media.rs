@@ -15,6 +15,7 @@ use std::time::Duration;
 use image::RgbImage;
 
 use crate::engine::ImageHash;
+use crate::limits::excerpt;
 use crate::server::error::ApiError;
 use crate::vision::{decode_image_limited, ImageSource, PreprocessConfig};
 
@@ -63,6 +64,16 @@ impl MediaPolicy {
             timeout,
             client,
         })
+    }
+
+    /// The most bytes an encoded image may have (`--max-image-bytes`).
+    pub fn max_bytes(&self) -> usize {
+        self.max_bytes
+    }
+
+    /// The most pixels an image may have (`--max-image-pixels`).
+    pub fn max_pixels(&self) -> u64 {
+        self.max_pixels
     }
 
     /// The encoded bytes of the image at `url` (a request's `image_url.url`), and a name for errors.
@@ -120,7 +131,7 @@ impl MediaPolicy {
                 format!(
                     "local image path {} refused: this server reads local images only inside \
                      --allowed-media-dir; send the image as a data: URL",
-                    path.display()
+                    excerpt(&path.to_string_lossy())
                 ),
             )
         })?;
@@ -134,15 +145,19 @@ impl MediaPolicy {
                 param,
                 format!(
                     "image path {} is outside the allowed media directory",
-                    path.display()
+                    excerpt(&path.to_string_lossy())
                 ),
             )
         };
         if !lexically_normal(&joined).starts_with(dir) {
             return Err(outside());
         }
-        let canonical = std::fs::canonicalize(&joined)
-            .map_err(|e| ApiError::bad(param, format!("image path {}: {e}", path.display())))?;
+        let canonical = std::fs::canonicalize(&joined).map_err(|e| {
+            ApiError::bad(
+                param,
+                format!("image path {}: {e}", excerpt(&path.to_string_lossy())),
+            )
+        })?;
         if !canonical.starts_with(dir) {
             return Err(outside());
         }
@@ -154,12 +169,13 @@ impl MediaPolicy {
             return Err(ApiError::bad(
                 param,
                 format!(
-                    "remote image URL {url} refused: this server fetches http(s) images only with \
-                     --allow-remote-media; send the image as a data: URL"
+                    "remote image URL {} refused: this server fetches http(s) images only with \
+                     --allow-remote-media; send the image as a data: URL",
+                    excerpt(url)
                 ),
             ));
         }
-        let failed = |e: String| ApiError::bad(param, format!("fetching {url}: {e}"));
+        let failed = |e: String| ApiError::bad(param, format!("fetching {}: {e}", excerpt(url)));
         let mut resp = self.client.get(url).send().await.map_err(|e| {
             failed(if e.is_timeout() {
                 format!("timed out after {:?}", self.timeout)

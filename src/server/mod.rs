@@ -10,13 +10,24 @@
 //! decode images, tokenize) on the async runtime and its blocking pool, then join the engine's
 //! continuous batch. Every error is an OpenAI-style JSON body naming the field at fault.
 
+pub mod completions;
 mod engine_loop;
 mod episodes;
 pub mod error;
+pub mod fields;
 pub mod media;
 mod metrics;
 pub mod openai;
+pub mod params;
+pub mod policy;
+pub mod prepare;
+pub mod reply;
+mod responses;
 mod session;
+mod stream;
+pub mod text;
+mod tokenization;
+pub mod tools;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -82,6 +93,15 @@ pub struct ServeArgs {
     /// Fetch http(s) image URLs (off by default).
     #[arg(long)]
     pub allow_remote_media: bool,
+    /// Screenshots are resized to at least this many pixels (height x width) unless a request says
+    /// otherwise [default: the model's preprocessor_config.json]. GUI-Owl's CausalCache setting:
+    /// min = max = 2621440.
+    #[arg(long)]
+    pub min_pixels: Option<usize>,
+    /// Screenshots are resized to at most this many pixels unless a request says otherwise [default:
+    /// the model's preprocessor_config.json].
+    #[arg(long)]
+    pub max_pixels: Option<usize>,
     /// Largest encoded image, in bytes.
     #[arg(long, default_value_t = 20 << 20)]
     pub max_image_bytes: usize,
@@ -127,6 +147,10 @@ pub struct ServeArgs {
     /// Record episodes under this directory (kept); by default a temporary one, removed at exit.
     #[arg(long)]
     pub episode_dir: Option<PathBuf>,
+    /// History screenshots the server restores when it chooses them itself
+    /// (`/v1/causalcache/policy` with --selector and every past screenshot sent).
+    #[arg(long, default_value_t = 4)]
+    pub policy_budget: usize,
     /// Seconds to let requests finish after SIGINT/SIGTERM before cancelling them.
     #[arg(long, default_value_t = 10.0)]
     pub shutdown_grace: f64,
@@ -137,6 +161,8 @@ pub struct ServeArgs {
 pub struct Limits {
     pub max_queue: usize,
     pub request_timeout: Duration,
+    /// The budget B of server-chosen allocations on `/v1/causalcache/policy`.
+    pub policy_budget: usize,
 }
 
 /// What every handler shares.
@@ -153,6 +179,25 @@ pub struct AppState {
     pub encoder: Option<ScopeMemEncoder>,
     /// Unix time the server started.
     pub started: u64,
+    /// Requests `/v1/causalcache/policy` has taken (its responses' `request_count`).
+    pub policy_requests: std::sync::atomic::AtomicU64,
+}
+
+/// 128 random bits (ids of responses and tool calls).
+pub fn rand_u128() -> u128 {
+    use std::hash::{BuildHasher, Hasher};
+    let state = std::collections::hash_map::RandomState::new();
+    let half = |salt: u64| {
+        let mut h = state.build_hasher();
+        h.write_u64(salt);
+        h.write_u128(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos()),
+        );
+        h.finish()
+    };
+    (u128::from(half(1)) << 64) | u128::from(half(2))
 }
 
 /// Seconds since the Unix epoch.
@@ -199,6 +244,7 @@ impl AppState {
             tokenizer: args.tokenizer.clone(),
             adapter: args.adapter.clone().map(|a| (a, adapter_mode)),
             backend: args.backend.backend,
+            pixels: (args.min_pixels, args.max_pixels),
             engine: EngineConfig {
                 block_size: args.block_size,
                 num_blocks: args.kv_blocks,
@@ -223,6 +269,7 @@ impl AppState {
             limits: Limits {
                 max_queue: args.max_queue,
                 request_timeout: seconds("request-timeout", args.request_timeout)?,
+                policy_budget: args.policy_budget,
             },
             sampling_defaults: SamplingDefaults::from_model_dir(&args.model),
             api_key: args.api_key.clone().filter(|k| !k.is_empty()),
@@ -230,6 +277,7 @@ impl AppState {
             selector: args.selector.clone(),
             encoder,
             started: unix_now(),
+            policy_requests: Default::default(),
         })
     }
 }
@@ -238,7 +286,14 @@ impl AppState {
 pub fn router(app: Arc<AppState>, max_body_bytes: usize) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/completions", post(completions::completions))
         .route("/v1/models", get(openai::models))
+        .route("/v1/responses", post(responses::responses))
+        .route("/v1/causalcache/policy", post(policy::policy))
+        .route("/v1/causalcache/policy/act", post(policy::policy))
+        .route("/tokenize", post(tokenization::tokenize))
+        .route("/detokenize", post(tokenization::detokenize))
+        .route("/version", get(tokenization::version))
         .route("/v1/episodes", post(episodes::create))
         .route("/v1/episodes/{id}", get(episodes::get).delete(episodes::delete))
         .route("/v1/episodes/{id}/steps", post(episodes::step))

@@ -11,7 +11,7 @@ use crate::engine::{EngineOutput, Prompt, RequestOptions, Score, Session, Task};
 use crate::error::{Error, Result};
 use crate::model::AdapterMode;
 use crate::server::engine_loop::{Event, PromptSource};
-use crate::server::openai::prepare_chat;
+use crate::server::prepare::{prepare_chat, ChatInput};
 use crate::server::AppState;
 use crate::tokenize::chat::ChatMessage;
 use crate::tokenize::Tokenizer;
@@ -87,11 +87,15 @@ impl Session for RemoteSession {
     fn chat_prompt(&mut self, messages: &[ChatMessage]) -> Result<Prompt> {
         // The episode's screenshots are the server's own files: read directly, not under the
         // client media policy. A hash-only image the engine evicted is prepared again with pixels.
+        let input = ChatInput {
+            messages: messages.to_vec(),
+            ..ChatInput::default()
+        };
         for use_memo in [true, false] {
             let app = self.app.clone();
             let chat = self
                 .rt
-                .block_on(prepare_chat(&app, messages, &[], use_memo, true))
+                .block_on(prepare_chat(&app, &input, use_memo, true))
                 .map_err(|e| Error::InvalidRequest(e.message))?;
             match self.call(move |ctx| ctx.prompt(chat))?? {
                 Ok(prompt) => return Ok(prompt),

@@ -5,11 +5,14 @@
 //!
 //! * [`ChatFamily::Qwen3Vl`] — Qwen3-VL Instruct (and GUI-Owl-1.5, a Qwen3-VL checkpoint). A system
 //!   message is rendered only when it is the first message, and only its text parts; later system
-//!   messages are dropped. Assistant turns render their text parts only. Tool messages are wrapped in
-//!   `<tool_response>` blocks inside a user turn, consecutive ones sharing that turn.
+//!   messages are dropped. Assistant turns render their text parts only, then their tool calls as
+//!   `<tool_call>` blocks. Tool messages are wrapped in `<tool_response>` blocks inside a user turn,
+//!   consecutive ones sharing that turn. With tools ([`render_chat_with_tools`]) the system turn
+//!   carries the template's `# Tools` block, each tool as `tojson` writes it ([`super::tojson`]).
 //! * [`ChatFamily::Qwen25Vl`] — Qwen2.5-VL Instruct. When the first message is not a system message the
 //!   default system prompt `You are a helpful assistant.` is inserted. Every message, whatever its role,
-//!   is rendered as `<|im_start|>{role}\n{content}<|im_end|>\n`, images included.
+//!   is rendered as `<|im_start|>{role}\n{content}<|im_end|>\n`, images included; the template has no
+//!   tools and ignores tool calls.
 //!
 //! An image part is rendered as `<|vision_start|><|image_pad|><|vision_end|>` with a single pad token;
 //! expanding the pad to the image's merged-token count happens later, when the prompt is tokenized with
@@ -81,13 +84,26 @@ pub enum ContentPart {
     Image(String),
 }
 
-/// One message of a conversation. A plain string content is a single [`ContentPart::Text`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A tool call of an assistant message, as the template renders it:
+/// `<tool_call>\n{"name": NAME, "arguments": ARGS}\n</tool_call>`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolCall {
+    pub name: String,
+    /// The arguments: a JSON value written with `tojson`, or a string rendered as it is. A request's
+    /// `arguments` string is parsed as JSON first, as vLLM does.
+    pub arguments: Value,
+}
+
+/// One message of a conversation. A plain string content is a single [`ContentPart::Text`]; a `null`
+/// content (an assistant message that only calls tools) is no part at all.
+#[derive(Debug, Clone, PartialEq)]
 pub struct ChatMessage {
     /// `system`, `user`, `assistant` or `tool`.
     pub role: String,
     /// The content parts, in order.
     pub content: Vec<ContentPart>,
+    /// An assistant message's tool calls.
+    pub tool_calls: Vec<ToolCall>,
 }
 
 impl ChatMessage {
@@ -96,6 +112,7 @@ impl ChatMessage {
         Self {
             role: role.into(),
             content,
+            tool_calls: Vec::new(),
         }
     }
 
@@ -145,6 +162,10 @@ pub struct RenderedChat {
     /// The sources (paths or URLs) of the rendered images, in prompt order. Images the template drops
     /// (Qwen3-VL ignores them in system and assistant turns) are not listed.
     pub images: Vec<String>,
+    /// Where each rendered image is in the conversation: (message index, content part index).
+    pub image_parts: Vec<(usize, usize)>,
+    /// The message being rendered (for `image_parts`).
+    message: usize,
 }
 
 impl RenderedChat {
@@ -171,9 +192,28 @@ pub fn render_chat_with_images(
     messages: &[ChatMessage],
     add_generation_prompt: bool,
 ) -> RenderedChat {
+    render_chat_with_tools(family, messages, &[], add_generation_prompt)
+}
+
+/// Like [`render_chat_with_images`], with the request's `tools` (OpenAI function tools, written into
+/// the system turn as the template's `tools` argument; Qwen2.5-VL's template ignores them).
+///
+/// ```
+/// use recall::tokenize::chat::{render_chat_with_tools, ChatFamily, ChatMessage};
+/// let tool = serde_json::json!({"type": "function", "function": {"name": "f", "description": null, "parameters": null}});
+/// let r = render_chat_with_tools(ChatFamily::Qwen3Vl, &[ChatMessage::text("user", "hi")], &[tool], true);
+/// assert!(r.text.starts_with("<|im_start|>system\n# Tools\n"));
+/// assert!(r.text.contains("\n{\"type\": \"function\", \"function\": {\"name\": \"f\", \"description\": null, \"parameters\": null}}\n</tools>"));
+/// ```
+pub fn render_chat_with_tools(
+    family: ChatFamily,
+    messages: &[ChatMessage],
+    tools: &[Value],
+    add_generation_prompt: bool,
+) -> RenderedChat {
     let mut out = RenderedChat::default();
     match family {
-        ChatFamily::Qwen3Vl => render_qwen3_vl(&mut out, messages),
+        ChatFamily::Qwen3Vl => render_qwen3_vl(&mut out, messages, tools),
         ChatFamily::Qwen25Vl => render_qwen25_vl(&mut out, messages),
     }
     if add_generation_prompt {
@@ -182,19 +222,20 @@ pub fn render_chat_with_images(
     out
 }
 
-fn push_image(out: &mut RenderedChat, source: &str) {
+fn push_image(out: &mut RenderedChat, source: &str, part: usize) {
     out.push_str(VISION_START);
     out.push_str(IMAGE_PAD);
     out.push_str(VISION_END);
     out.images.push(source.to_string());
+    out.image_parts.push((out.message, part));
 }
 
 /// Text and image parts, as the templates render user content.
 fn push_parts(out: &mut RenderedChat, content: &[ContentPart]) {
-    for part in content {
+    for (j, part) in content.iter().enumerate() {
         match part {
             ContentPart::Text(text) => out.push_str(text),
-            ContentPart::Image(source) => push_image(out, source),
+            ContentPart::Image(source) => push_image(out, source, j),
         }
     }
 }
@@ -219,14 +260,36 @@ fn close_turn(out: &mut RenderedChat) {
     out.push('\n');
 }
 
-/// The Qwen3-VL Instruct template (without tools and tool calls).
-fn render_qwen3_vl(out: &mut RenderedChat, messages: &[ChatMessage]) {
-    if let Some(first) = messages.first().filter(|m| m.role == "system") {
+/// The template's `# Tools` block (after the system message's text, when there is one).
+const TOOLS_HEADER: &str = "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n\
+You are provided with function signatures within <tools></tools> XML tags:\n<tools>";
+const TOOLS_FOOTER: &str =
+    "\n</tools>\n\nFor each function call, return a json object with function name and \
+arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": \
+<args-json-object>}\n</tool_call><|im_end|>\n";
+
+/// The Qwen3-VL Instruct template.
+fn render_qwen3_vl(out: &mut RenderedChat, messages: &[ChatMessage], tools: &[Value]) {
+    let system = messages.first().filter(|m| m.role == "system");
+    if !tools.is_empty() {
+        open_turn(out, "system");
+        if let Some(first) = system {
+            push_text_parts(out, &first.content);
+            out.push_str("\n\n");
+        }
+        out.push_str(TOOLS_HEADER);
+        for tool in tools {
+            out.push('\n');
+            out.push_str(&super::tojson::python_json(tool));
+        }
+        out.push_str(TOOLS_FOOTER);
+    } else if let Some(first) = system {
         open_turn(out, "system");
         push_text_parts(out, &first.content);
         close_turn(out);
     }
     for (i, message) in messages.iter().enumerate() {
+        out.message = i;
         match message.role.as_str() {
             "user" => {
                 open_turn(out, "user");
@@ -236,6 +299,7 @@ fn render_qwen3_vl(out: &mut RenderedChat, messages: &[ChatMessage]) {
             "assistant" => {
                 open_turn(out, "assistant");
                 push_text_parts(out, &message.content);
+                push_tool_calls(out, message);
                 close_turn(out);
             }
             "tool" => {
@@ -257,9 +321,28 @@ fn render_qwen3_vl(out: &mut RenderedChat, messages: &[ChatMessage]) {
     }
 }
 
+/// An assistant message's tool calls: each `<tool_call>` block on a line of its own (the first one
+/// directly after the content only when there is no content).
+fn push_tool_calls(out: &mut RenderedChat, message: &ChatMessage) {
+    for (k, call) in message.tool_calls.iter().enumerate() {
+        if k > 0 || !message.content.is_empty() {
+            out.push('\n');
+        }
+        out.push_str("<tool_call>\n{\"name\": \"");
+        out.push_str(&call.name);
+        out.push_str("\", \"arguments\": ");
+        match &call.arguments {
+            Value::String(raw) => out.push_str(raw),
+            other => out.push_str(&super::tojson::python_json(other)),
+        }
+        out.push_str("}\n</tool_call>");
+    }
+}
+
 /// The Qwen2.5-VL Instruct template.
 fn render_qwen25_vl(out: &mut RenderedChat, messages: &[ChatMessage]) {
     for (i, message) in messages.iter().enumerate() {
+        out.message = i;
         if i == 0 && message.role != "system" {
             open_turn(out, "system");
             out.push_str(QWEN25_DEFAULT_SYSTEM);
@@ -295,7 +378,18 @@ pub fn messages_to_json(messages: &[ChatMessage]) -> Value {
                         }
                     })
                     .collect();
-                serde_json::json!({"role": m.role, "content": parts})
+                let mut v = serde_json::json!({"role": m.role, "content": parts});
+                if !m.tool_calls.is_empty() {
+                    v["tool_calls"] = m
+                        .tool_calls
+                        .iter()
+                        .map(|c| {
+                            serde_json::json!({"type": "function", "function": {
+                                "name": c.name, "arguments": c.arguments.to_string()}})
+                        })
+                        .collect();
+                }
+                v
             })
             .collect(),
     )
@@ -307,8 +401,10 @@ pub fn messages_to_json(messages: &[ChatMessage]) -> Value {
 /// A message is `{"role": ..., "content": ...}` with role `system`, `user`, `assistant` or `tool`; content
 /// is a string or an array of parts: `{"type": "text", "text": ...}`,
 /// `{"type": "image_url", "image_url": {"url": ...}}` (or `"image_url": "..."`), or
-/// `{"type": "image", "image": ...}`. Other message fields (`name`, ...) are ignored, except
-/// `tool_calls`, which the renderers do not support.
+/// `{"type": "image", "image": ...}`. An assistant message may carry `tool_calls`
+/// (`[{"type": "function", "function": {"name", "arguments"}}]`, `arguments` a JSON string, parsed as
+/// vLLM does before templating) and then a `null` or missing content. Other message fields (`name`,
+/// `tool_call_id`, ...) are ignored.
 ///
 /// # Errors
 /// [`Error::Json`] naming the field (`messages[2].content[0].text`) for malformed JSON, a missing or
@@ -350,18 +446,38 @@ fn parse_message(value: &Value, field: &str, path: &Path) -> Result<ChatMessage>
         return Err(Error::json(
             path,
             format!("{field}.role"),
-            format!("unknown role `{role}` (expected one of {})", ROLES.join(", ")),
+            format!(
+                "unknown role {} (expected one of {})",
+                crate::limits::excerpt(role),
+                ROLES.join(", ")
+            ),
         ));
     }
-    if object.contains_key("tool_calls") {
-        return Err(Error::json(
-            path,
-            format!("{field}.tool_calls"),
-            "tool calls are not supported; put the call in the content text",
-        ));
-    }
+    let tool_calls = match object.get("tool_calls") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(calls)) if role == "assistant" => calls
+            .iter()
+            .enumerate()
+            .map(|(k, c)| parse_tool_call(c, &format!("{field}.tool_calls[{k}]"), path))
+            .collect::<Result<_>>()?,
+        Some(Value::Array(_)) => {
+            return Err(Error::json(
+                path,
+                format!("{field}.tool_calls"),
+                format!("only assistant messages carry tool calls, not `{role}` ones"),
+            ))
+        }
+        Some(other) => {
+            return Err(Error::json(
+                path,
+                format!("{field}.tool_calls"),
+                expected("an array of tool calls", other),
+            ))
+        }
+    };
     let content_field = format!("{field}.content");
     let content = match object.get("content") {
+        None | Some(Value::Null) if !tool_calls.is_empty() => Vec::new(),
         None => return Err(Error::json(path, content_field, "missing")),
         Some(Value::String(text)) => vec![ContentPart::Text(text.clone())],
         Some(Value::Array(parts)) => parts
@@ -377,7 +493,43 @@ fn parse_message(value: &Value, field: &str, path: &Path) -> Result<ChatMessage>
             ))
         }
     };
-    Ok(ChatMessage::new(role, content))
+    Ok(ChatMessage {
+        role: role.to_string(),
+        content,
+        tool_calls,
+    })
+}
+
+/// One tool call of an assistant message: `{"type": "function", "function": {"name", "arguments"}}`
+/// (`id` and other members are ignored). `arguments` is a JSON string (parsed; empty means `{}`, as
+/// in vLLM) or, leniently, a JSON object.
+fn parse_tool_call(value: &Value, field: &str, path: &Path) -> Result<ToolCall> {
+    let object = as_object(value, field, path)?;
+    if let Some(kind) = object.get("type").filter(|t| !t.is_null()) {
+        if kind.as_str() != Some("function") {
+            return Err(Error::json(
+                path,
+                format!("{field}.type"),
+                "only `function` tool calls are supported",
+            ));
+        }
+    }
+    let function_field = format!("{field}.function");
+    let function = match object.get("function") {
+        Some(f) => as_object(f, &function_field, path)?,
+        None => return Err(Error::json(path, function_field, "missing")),
+    };
+    let name = required_str(function, "name", &function_field, path)?.to_string();
+    let args_field = format!("{function_field}.arguments");
+    let arguments = match function.get("arguments") {
+        None | Some(Value::Null) => Value::Object(Map::new()),
+        Some(Value::String(s)) if s.trim().is_empty() => Value::Object(Map::new()),
+        Some(Value::String(s)) => serde_json::from_str(s)
+            .map_err(|e| Error::json(path, args_field.clone(), format!("not valid JSON ({e})")))?,
+        Some(v @ Value::Object(_)) => v.clone(),
+        Some(other) => return Err(Error::json(path, args_field, expected("a JSON string", other))),
+    };
+    Ok(ToolCall { name, arguments })
 }
 
 fn parse_part(value: &Value, field: &str, path: &Path) -> Result<ContentPart> {
@@ -408,7 +560,10 @@ fn parse_part(value: &Value, field: &str, path: &Path) -> Result<ContentPart> {
         other => Err(Error::json(
             path,
             format!("{field}.type"),
-            format!("unknown content part type `{other}` (expected text, image_url or image)"),
+            format!(
+                "unknown content part type {} (expected text, image_url or image)",
+                crate::limits::excerpt(other)
+            ),
         )),
     }
 }

@@ -41,14 +41,26 @@ impl fmt::Display for ImageSource {
 
 impl ImageSource {
     /// Parse an image reference as a chat request carries it: a local path, a `file://` URL or a
-    /// `data:image/<type>;base64,<payload>` URL. `http(s)://` URLs are refused: recall has no network access
-    /// at run time.
+    /// `data:` URL with a base64 payload (`data:image/png;base64,…`; the media type may be any
+    /// `image/…`, bare `image` or empty, as vLLM accepts: the bytes say what the image is).
+    /// `http(s)://` URLs are refused: recall has no network access at run time. A string that is
+    /// bare base64 (no `data:` prefix) is refused with a message saying to add the prefix. Error
+    /// messages quote at most [`crate::limits::ECHO_BYTES`] bytes of `s`.
+    ///
+    /// ```
+    /// use recall::vision::ImageSource;
+    /// assert!(ImageSource::parse("data:image;base64,iVBORw0KGgo=").is_ok());
+    /// let bare = "iVBORw0KGgoAAAANSUhEUgAA".repeat(20);
+    /// let err = ImageSource::parse(&bare).unwrap_err().to_string();
+    /// assert!(err.contains("data:image/png;base64,") && err.len() < 300, "{err}");
+    /// ```
     pub fn parse(s: &str) -> Result<Self> {
         let t = s.trim();
+        let quoted = crate::limits::excerpt(t);
         let lower = t.get(..t.len().min(16)).unwrap_or("").to_ascii_lowercase();
         if lower.starts_with("http://") || lower.starts_with("https://") {
             return Err(Error::InvalidRequest(format!(
-                "remote image URL {t} is not fetched (recall has no network access at run time); \
+                "remote image URL {quoted} is not fetched (recall has no network access at run time); \
                  pass a local path, a file:// URL or a data:image/...;base64 URL"
             )));
         }
@@ -60,10 +72,10 @@ impl ImageSource {
             let rest = rest.strip_prefix("localhost").unwrap_or(rest);
             if !rest.starts_with('/') {
                 return Err(Error::InvalidRequest(format!(
-                    "file URL {t} must be absolute (file:///path/to/image.png)"
+                    "file URL {quoted} must be absolute (file:///path/to/image.png)"
                 )));
             }
-            return Ok(ImageSource::Path(PathBuf::from(percent_decode(rest, t)?)));
+            return Ok(ImageSource::Path(PathBuf::from(percent_decode(rest, &quoted)?)));
         }
         if let Some(i) = t.find("://") {
             if t[..i]
@@ -72,19 +84,25 @@ impl ImageSource {
                 && i > 1
             {
                 return Err(Error::InvalidRequest(format!(
-                    "image URL {t} has unsupported scheme `{}` (supported: local paths, file://, data:)",
-                    &t[..i]
+                    "image URL {quoted} has unsupported scheme {} (supported: local paths, file://, data:)",
+                    crate::limits::excerpt(&t[..i])
                 )));
             }
         }
         if t.is_empty() {
             return Err(Error::InvalidRequest("empty image reference".into()));
         }
+        if looks_like_bare_base64(t) {
+            return Err(Error::InvalidRequest(format!(
+                "the image URL {quoted} is base64 without a data: prefix; send it as \
+                 `data:image/png;base64,<payload>` (or image/jpeg, image/webp)"
+            )));
+        }
         Ok(ImageSource::Path(PathBuf::from(t)))
     }
 
     fn parse_data_url(url: &str) -> Result<Self> {
-        let short = shorten(url);
+        let short = crate::limits::excerpt(url);
         let bad = |m: &str| Err(Error::InvalidRequest(format!("malformed data URL {short}: {m}")));
         let Some((header, payload)) = url.split_once(',') else {
             return bad("no ',' separating the header from the payload");
@@ -92,8 +110,15 @@ impl ImageSource {
         let media = header[5..].to_ascii_lowercase();
         let mut parts = media.split(';');
         let mime = parts.next().unwrap_or("");
-        if !mime.starts_with("image/") {
-            return bad(&format!("media type `{mime}` is not image/*"));
+        let image_like = mime.is_empty()
+            || mime == "image"
+            || mime.starts_with("image/")
+            || mime == "application/octet-stream";
+        if !image_like {
+            return bad(&format!(
+                "media type {} is not an image type",
+                crate::limits::excerpt(mime)
+            ));
         }
         if !parts.any(|p| p == "base64") {
             return bad("only ;base64 data URLs are supported");
@@ -103,6 +128,7 @@ impl ImageSource {
             Ok(d) => d,
             Err(e) => return bad(&format!("invalid base64 payload: {e}")),
         };
+        let mime = if mime.is_empty() { "image" } else { mime };
         Ok(ImageSource::Bytes {
             name: format!("data URL ({mime}, {} bytes)", data.len()),
             data,
@@ -127,15 +153,20 @@ impl ImageSource {
     }
 }
 
-fn shorten(s: &str) -> String {
-    if s.len() <= 60 {
-        s.to_string()
-    } else {
-        let cut = (0..=60).rev().find(|&i| s.is_char_boundary(i)).unwrap_or(0);
-        format!("{}... ({} chars)", &s[..cut], s.len())
-    }
+/// Whether `s` is an image's base64 with the `data:` prefix left out: long, only the base64 alphabet
+/// (no `.` of a file name), and starting like an encoded PNG, JPEG, WebP or GIF — or simply too long to
+/// be a path.
+fn looks_like_bare_base64(s: &str) -> bool {
+    let alphabet = s
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b == b'+' || b == b'/' || b == b'=');
+    let magic = ["iVBORw0KGgo", "/9j/", "UklGR", "R0lGOD"]
+        .iter()
+        .any(|m| s.starts_with(m));
+    alphabet && s.len() >= 64 && (magic || s.len() > 4096)
 }
 
+/// `s` with its %-escapes decoded; errors quote `whole` (already shortened).
 fn percent_decode(s: &str, whole: &str) -> Result<String> {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());

@@ -13,18 +13,14 @@ clean exit (status 0) on SIGTERM.
 
 import base64
 import json
-import os
 import pathlib
-import re
-import signal
 import subprocess
-import threading
 
 import openai
 import pytest
+from recall_server import BIN, serve
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-BIN = os.environ.get("RECALL_BIN", str(ROOT / "target" / "debug" / "recall"))
 MODEL = ROOT / "tests" / "fixtures" / "tiny-qwen3-vl"
 SCREEN = ROOT / "tests" / "fixtures" / "vl-images" / "screen.png"
 KEY = "test-key"
@@ -32,25 +28,8 @@ KEY = "test-key"
 
 @pytest.fixture(scope="module")
 def url():
-    proc = subprocess.Popen(
-        [BIN, "serve", "--model", str(MODEL), "--served-model-name", "tiny", "--backend", "cpu",
-         "--port", "0", "--api-key", KEY],
-        stderr=subprocess.PIPE, text=True, env={**os.environ, "RUST_LOG": "recall=info"},
-    )
-    found = None
-    log = []
-    for line in proc.stderr:
-        log.append(line)
-        m = re.search(r"serving on (http://\S+)", line)
-        if m:
-            found = m.group(1)
-            break
-    assert found, "recall serve did not start:\n" + "".join(log)
-    # Keep draining the log so the server never blocks on a full pipe.
-    threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
-    yield found
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0, "recall serve did not exit cleanly on SIGTERM:\n" + "".join(log)
+    with serve("--model", str(MODEL), "--served-model-name", "tiny", "--api-key", KEY) as u:
+        yield u
 
 
 def client(url, key=KEY):
@@ -150,3 +129,66 @@ def test_greedy_tokens_equal_recall_generate(url):
         extra_body={"return_tokens_as_token_ids": True})
     got = [int(t.token.removeprefix("token_id:")) for t in r.choices[0].logprobs.content]
     assert got == want
+
+
+def test_penalties_and_choices(url):
+    c = client(url)
+    msgs = [{"role": "user", "content": "Open the settings app and turn on Wi-Fi, then go back."}]
+    plain = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0)
+    penalised = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0,
+                                          frequency_penalty=1.0, presence_penalty=1.5,
+                                          extra_body={"repetition_penalty": 1.3})
+    assert penalised.choices[0].message.content != plain.choices[0].message.content
+    n = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=1.0, seed=5, n=3)
+    assert [ch.index for ch in n.choices] == [0, 1, 2]
+    assert n.usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+def test_completions_and_responses(url):
+    c = client(url)
+    r = c.completions.create(model="tiny", prompt="Open the settings app", max_tokens=0, echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == "Open the settings app"
+    assert lp.token_logprobs[0] is None and all(x <= 0 for x in lp.token_logprobs[1:])
+    assert len(lp.tokens) == len(lp.text_offset) == r.usage.prompt_tokens
+    g = c.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=5, temperature=0)
+    assert g.usage.completion_tokens <= 5 and g.choices[0].finish_reason in ("stop", "length")
+    resp = c.responses.create(model="tiny", input="Where is the menu?", max_output_tokens=8, temperature=0)
+    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Where is the menu?"}],
+                                     max_tokens=8, temperature=0)
+    assert resp.output_text == chat.choices[0].message.content
+    assert resp.usage.input_tokens == chat.usage.prompt_tokens
+
+
+AGENT = ROOT / "tests" / "fixtures" / "agent-qwen3-vl"
+TOOLS = [{"type": "function", "function": {"name": "mobile_use", "description": "Use the phone.",
+          "parameters": {"type": "object", "properties": {"action": {"type": "string"}}}}}]
+
+
+@pytest.fixture(scope="module")
+def agent_url():
+    with serve("--model", str(AGENT), "--served-model-name", "agent") as u:
+        yield u
+
+
+def test_tool_calls_through_the_official_client(agent_url):
+    c = openai.OpenAI(base_url=agent_url + "/v1", api_key="none", max_retries=0)
+    msgs = image_message("Search for cats.")
+    r = c.chat.completions.create(model="agent", messages=msgs, tools=TOOLS, temperature=0)
+    m = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert m.content.startswith("Action: ") and m.tool_calls[0].function.name == "mobile_use"
+    assert json.loads(m.tool_calls[0].function.arguments) == {"action": "click", "coordinate": [540, 120]}
+    # The client's stream helper accumulates the tool-call deltas into the same message.
+    with c.chat.completions.stream(model="agent", messages=msgs, tools=TOOLS, temperature=0) as s:
+        final = s.get_final_completion()
+    fm = final.choices[0].message
+    assert fm.content == m.content
+    assert [(t.function.name, t.function.arguments) for t in fm.tool_calls] == \
+           [(t.function.name, t.function.arguments) for t in m.tool_calls]
+    # Fed back as the client writes it.
+    msgs += [m.model_dump(exclude_none=True),
+             {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "Searched."}]
+    again = c.chat.completions.create(model="agent", messages=msgs, tools=TOOLS, temperature=0)
+    assert again.choices[0].message.tool_calls
+    assert again.usage.prompt_tokens_details.cached_tokens > 0

@@ -7,6 +7,9 @@
 
 pub mod gemm;
 mod ops;
+/// The index of the first maximum of a row (NaN never wins after index 0): the CPU argmax, for
+/// callers that choose on the host.
+pub use ops::argmax as argmax_row;
 pub mod peak;
 mod profile;
 #[macro_use]

@@ -258,7 +258,7 @@ pub(super) fn log_softmax_at(row: &[f32], t: usize) -> f32 {
 }
 
 /// Index of the first maximum.
-pub(super) fn argmax(row: &[f32]) -> u32 {
+pub fn argmax(row: &[f32]) -> u32 {
     let mut best = 0;
     for (i, &x) in row.iter().enumerate() {
         if x > row[best] {
