@@ -27,7 +27,8 @@ extern "C" __global__ void log_softmax_gather_v1(const RowReduceParams p) {
     if (threadIdx.x == 0) p.out_f32[r] = (float)((double)(ld(x, p.targets[r]) - m) - log(s));
 }
 
-// First index of the maximum; NaN never wins (as `x > best` on the CPU); a row of -inf/NaN gives 0.
+// First index of the maximum over the non-NaN entries (numpy's nanargmax); a row of NaN gives 0.
+// CPU twin: ops::argmax, the same rule.
 extern "C" __global__ void argmax_v1(const RowReduceParams p) {
     __shared__ float sv[32];
     __shared__ int si[32];
@@ -38,7 +39,9 @@ extern "C" __global__ void argmax_v1(const RowReduceParams p) {
     int bi = 0x7fffffff;
     for (int c = threadIdx.x; c < p.vocab; c += blockDim.x) {
         float v = ld(x, c);
-        if (v > bv) { bv = v; bi = c; } // strided ascending: keeps this thread's first maximum
+        // Strided ascending: keeps this thread's first maximum; its first non-NaN entry counts even
+        // when it is -inf (v == v is false only for NaN).
+        if (v > bv || (bi == 0x7fffffff && v == v)) { bv = v; bi = c; }
     }
     int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, nw = blockDim.x / WARP;
     for (int o = WARP / 2; o > 0; o /= 2) {

@@ -141,3 +141,58 @@ fn batch_invariant_mode_makes_the_engine_exact_on_cuda() {
     let drafted = f.run(config(1 << 20, false), &[(prompt, draft)]).remove(0);
     assert_eq!(drafted.0, reference.0, "drafted generation: tokens");
 }
+
+/// Batch-invariant GEMMs at Qwen3-VL-8B's shapes (q/o 4096², gate/up 12288×4096, down 4096×12288,
+/// lm_head 151936×4096; synthetic bf16 weights generated on the device): rows computed in calls of
+/// 1, 7, 64 and 333 rows, and at an offset, are bitwise the same rows of one call over all of them,
+/// and no shape fell back to its own (not batch-invariant) algorithm.
+#[test]
+fn batch_invariant_gemms_at_8b_shapes_do_not_depend_on_the_row_count() {
+    use recall::backend::Backend;
+    use recall::checkpoint::{Checkpoint, Fill};
+    let be = match CudaBackend::new(0) {
+        Ok(be) => be,
+        Err(e) => return eprintln!("SKIP (no usable GPU): {e}"),
+    };
+    be.set_batch_invariant(true);
+    let shapes = [(4096, 4096), (12288, 4096), (4096, 12288), (151_936, 4096)];
+    let specs = shapes.iter().enumerate().map(|(i, &(out, inner))| {
+        let fill = Fill::Uniform {
+            seed: 0xb1 + i as u64,
+            scale: 0.02 * 3f32.sqrt(),
+        };
+        (format!("w{i}"), vec![out, inner], fill)
+    });
+    let ckpt = Checkpoint::synthetic("batch-invariant GEMM test", specs).unwrap();
+    let mut rng = fastrand::Rng::with_seed(21);
+    for (i, &(out, inner)) in shapes.iter().enumerate() {
+        let w = be.load_weight(ckpt.get(&format!("w{i}")).unwrap()).unwrap();
+        let rows = if out > 100_000 { 512 } else { 1024 };
+        let data: Vec<f32> = (0..rows * inner).map(|_| rng.f32() * 2.0 - 1.0).collect();
+        let x = be.upload(&data, rows, inner).unwrap();
+        let full = be.download(&be.linear(&x, &w, None).unwrap()).unwrap();
+        for (start, n) in [(0, 1), (0, 7), (5, 64), (100, 333), (rows - 1, 1)] {
+            let index: Vec<usize> = (start..start + n).collect();
+            let part = be.linear(&be.gather_rows(&x, &index).unwrap(), &w, None).unwrap();
+            let part = be.download(&part).unwrap();
+            let want = &full[start * out..(start + n) * out];
+            let differ = part
+                .iter()
+                .zip(want)
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            assert_eq!(
+                differ,
+                0,
+                "[{out}, {inner}]: rows {start}..{} alone differ in {differ} values",
+                start + n
+            );
+        }
+        eprintln!("batch-invariant GEMM [{out}, {inner}]: row subsets bitwise equal to {rows} rows");
+    }
+    let fallbacks = be.batch_invariant_fallbacks();
+    assert!(
+        fallbacks.is_empty(),
+        "shapes off the reference algorithm: {fallbacks:?}"
+    );
+}

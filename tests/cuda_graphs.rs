@@ -3,7 +3,8 @@
 //! run with replay off, and replay actually happened (recorded and replayed steps counted). Also:
 //! switching batch-invariant mode at run time makes the steps record again (the GEMM trace names the
 //! mode and the algorithm), and a step whose recording keeps failing is given up on after a bounded
-//! number of tries. Skips without a usable GPU.
+//! number of tries. The head_dim-64 model (tests/fixtures/tiny-qwen3-vl-d64) replays decode steps that
+//! use attention v2 with contexts growing step by step. Skips without a usable GPU.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -84,6 +85,52 @@ fn replayed_decode_steps_are_bitwise_the_direct_ones() {
             assert!(same, "logits of sequence {k}, decision {i}, differ bitwise");
         }
     }
+}
+
+/// The head_dim-64 model, whose decode steps take attention v2 (head_dim 32 declines it): replayed
+/// steps with contexts growing every step across the 16-key tile and block boundaries and the 128-key
+/// split chunks are bitwise the direct run, replays happened, and the direct run did use v2.
+#[test]
+fn replayed_v2_decode_steps_are_bitwise_the_direct_ones() {
+    let be = match CudaBackend::new(0) {
+        Ok(be) => be,
+        Err(e) => return eprintln!("SKIP (no usable GPU): {e}"),
+    };
+    let p = Pipeline::load(be, &fixture("tiny-qwen3-vl-d64"), None).unwrap();
+    let mut rng = fastrand::Rng::with_seed(11);
+    // Contexts start just below a tile (14), a split chunk (126) and a 2-split boundary (254), and
+    // grow by one key per decoded token past each.
+    let prompts: Vec<Vec<u32>> = [14, 126, 254]
+        .iter()
+        .map(|&n| (0..n).map(|_| rng.u32(0..1000)).collect())
+        .collect();
+    let lens = [40, 24, 33];
+    p.backend.set_step_replay(false);
+    p.backend.set_profiling(true);
+    let direct = generate(&p, &prompts, &lens);
+    let ops = p.backend.take_profile().unwrap();
+    p.backend.set_profiling(false);
+    assert!(
+        ops.iter().any(|o| o.op == "paged_decode_v2_d64"),
+        "the direct run did not use decode attention v2: {:?}",
+        ops.iter().map(|o| &o.op).collect::<Vec<_>>()
+    );
+    let before = p.backend.step_stats();
+    p.backend.set_step_replay(true);
+    let replayed = generate(&p, &prompts, &lens);
+    let stats = p.backend.step_stats();
+    p.backend.set_step_replay(false);
+    eprintln!("step stats: before {before:?}, after {stats:?}");
+    assert!(stats.recorded > before.recorded, "no step was recorded");
+    assert!(
+        stats.replayed - before.replayed >= 20,
+        "only {} steps replayed: growing contexts should replay, not re-record",
+        stats.replayed - before.replayed
+    );
+    assert!(
+        same_bits(&direct, &replayed),
+        "replayed steps differ from the direct run"
+    );
 }
 
 fn same_bits(a: &Runs, b: &Runs) -> bool {

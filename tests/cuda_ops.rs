@@ -634,21 +634,25 @@ fn vocab_reductions_match_cpu() {
         );
         assert_eq!(ga, ca, "argmax [{rows}, {vocab}]");
     }
-    // Explicit ties and -inf.
-    let x = pair(
-        &g,
-        &[
-            1.0,
-            3.0,
-            3.0,
-            f32::NEG_INFINITY,
-            f32::NEG_INFINITY,
-            f32::NEG_INFINITY,
-        ],
-        2,
-        3,
+    // Explicit ties, -inf and NaN (at index 0, in the middle, everywhere): NaN never wins, on both.
+    let (nan, ninf) = (f32::NAN, f32::NEG_INFINITY);
+    let rows: [[f32; 3]; 7] = [
+        [1.0, 3.0, 3.0],
+        [ninf, ninf, ninf],
+        [nan, 1.0, 2.0],
+        [1.0, nan, 0.5],
+        [nan, nan, nan],
+        [nan, ninf, -1.0],
+        [nan, ninf, ninf],
+    ];
+    let x = pair(&g, rows.as_flattened(), rows.len(), 3);
+    let (ga, ca) = (g.argmax(&x.gpu).unwrap(), CpuBackend.argmax(&x.cpu).unwrap());
+    assert_eq!(ga, ca, "argmax with ties, -inf and NaN");
+    assert_eq!(
+        ca,
+        [1, 0, 2, 0, 0, 2, 1],
+        "numpy's nanargmax (all-NaN: 0), as kernels/reduce.cu says"
     );
-    assert_eq!(g.argmax(&x.gpu).unwrap(), CpuBackend.argmax(&x.cpu).unwrap());
 }
 
 // ---- whole models on CUDA ----
@@ -726,6 +730,11 @@ mod models {
         check_model(&fixture("tiny-qwen3-vl-bf16"));
     }
 
+    #[test]
+    fn tiny_qwen3_vl_head_dim_64_on_cuda_matches_hf() {
+        check_model(&fixture("tiny-qwen3-vl-d64"));
+    }
+
     /// HGKV with no history image: the adapter must not run, so logits are bitwise the frozen model's.
     #[test]
     fn hgkv_bypass_is_bitwise_on_cuda() {
@@ -767,6 +776,13 @@ mod models {
             );
         }
     }
+}
+
+/// Freed memory stays in the device's pool: the release threshold is the maximum, not CUDA's 0.
+#[test]
+fn freed_memory_stays_in_the_pool() {
+    let Some(g) = gpu() else { return };
+    assert_eq!(g.pool_release_threshold().unwrap(), u64::MAX);
 }
 
 /// Synthetic weights generated on the device (`fill_random_v1`) are bitwise the host generator's

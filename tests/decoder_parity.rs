@@ -133,6 +133,13 @@ fn bf16_weights_match_hf_on_rounded_weights() {
     check_model(&dir, &dir, "reference");
 }
 
+/// head_dim 64 (the shape the CUDA v2/flash paths take; tests/cuda_graphs.rs replays it on a GPU).
+#[test]
+fn head_dim_64_matches_hf_on_rounded_weights() {
+    let dir = fixture("tiny-qwen3-vl-d64");
+    check_model(&dir, &dir, "reference");
+}
+
 #[test]
 fn sharded_checkpoint_gives_identical_logits() {
     let single = Pipeline::load(CpuBackend, &fixture("tiny-qwen3-vl"), None).unwrap();

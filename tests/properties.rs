@@ -5,6 +5,8 @@
 //! * rendering any allocation of any episode, under every protocol, keeps every completed step exactly
 //!   once (a `Step{i}:` fold line or a retained assistant turn with its screenshot), in order, with the
 //!   current screen last;
+//! * greedy argmax is the first maximum with NaN never winning (numpy's `nanargmax`; CUDA's
+//!   `argmax_v1` reads the same, checked on a device in tests/cuda_ops.rs);
 //! * chunked and batched prefill of random prompts give the same greedy tokens and the same logits,
 //!   bit for bit, as one unbatched pass.
 //!
@@ -60,6 +62,36 @@ proptest! {
             prop_assert_eq!(&t, &text);
         }
         prop_assert_eq!(round(&ascii), ascii);
+    }
+}
+
+// ---- greedy choice ----
+
+/// A logit that is often tied, sometimes NaN or infinite.
+fn logit() -> impl Strategy<Value = f32> {
+    prop_oneof![
+        6 => (-3i32..4).prop_map(|v| v as f32),
+        1 => Just(f32::NAN),
+        1 => Just(f32::NEG_INFINITY),
+        1 => Just(f32::INFINITY),
+    ]
+}
+
+proptest! {
+    #![proptest_config(cases(1024))]
+
+    /// `argmax_row` is the first index of the maximum over the non-NaN entries (numpy's `nanargmax`),
+    /// 0 when every entry is NaN, so a NaN anywhere — index 0 included — never changes the token.
+    #[test]
+    fn argmax_is_the_first_maximum_and_nan_never_wins(row in prop::collection::vec(logit(), 1..40)) {
+        let got = recall::backend::cpu::argmax_row(&row) as usize;
+        let finite_or_inf: Vec<(usize, f32)> = row.iter().copied().enumerate().filter(|(_, x)| !x.is_nan()).collect();
+        let want = match finite_or_inf.iter().map(|&(_, x)| x).reduce(f32::max) {
+            Some(m) => finite_or_inf.iter().find(|&&(_, x)| x == m).map_or(0, |&(i, _)| i),
+            None => 0,
+        };
+        prop_assert_eq!(got, want, "row {:?}", row);
+        prop_assert!(!row[got].is_nan() || row.iter().all(|x| x.is_nan()));
     }
 }
 

@@ -168,7 +168,8 @@ pub trait Backend: Send + Sync {
     ) -> Result<Self::Tensor>;
     /// Per-row log-softmax of `logits: [n, vocab]` gathered at `targets[i]`.
     fn log_softmax_gather(&self, logits: &Self::Tensor, targets: &[u32]) -> Result<Vec<f32>>;
-    /// Per-row index of the maximum (the first one on ties, as `torch.argmax`).
+    /// Per-row index of the maximum (the first one on ties, as `torch.argmax`; NaN never wins, as
+    /// numpy's `nanargmax`, and a row of NaN gives 0).
     fn argmax(&self, logits: &Self::Tensor) -> Result<Vec<u32>>;
 
     /// The residual add and the norm after it: `(x + residual, rms_norm(x + residual))`. The default

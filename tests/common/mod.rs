@@ -187,6 +187,58 @@ pub fn rel_err(got: &[f32], want: &[f32], show_above: f32) -> f32 {
     worst
 }
 
+/// Bound on [`row_rel_errors`] for attention outputs over bf16 inputs (f32 reference). The bf16
+/// output alone costs up to 2^-9 per element (~2e-3 in L2); a dropped split of 1/64 of a 20k-token
+/// context costs ~0.1 on N(0, 1) inputs (the attention tests check that the bound sees it).
+pub const ATTN_ROW_TOL: f32 = 1e-2;
+
+/// Per row of `cols` values: `‖got − want‖₂ / ‖want‖₂` (the norm floored at 1e-30). A relative
+/// bound follows the output's scale: averaged over 20k keys an attention row is ~100x smaller than
+/// over a few, so an absolute bound tight for short contexts sees nothing at long ones. Fails on NaN
+/// in `got` (an unwritten, poisoned output) and on mismatched lengths.
+pub fn row_rel_errors(got: &[f32], want: &[f32], cols: usize) -> Vec<f32> {
+    assert_eq!(got.len(), want.len(), "output lengths differ");
+    got.chunks(cols)
+        .zip(want.chunks(cols))
+        .enumerate()
+        .map(|(r, (g, w))| {
+            let (mut diff, mut norm) = (0f64, 0f64);
+            for (c, (&a, &b)) in g.iter().zip(w).enumerate() {
+                assert!(
+                    !a.is_nan(),
+                    "row {r} col {c}: NaN (reference {b}): unwritten or broken output"
+                );
+                diff += ((a - b) as f64).powi(2);
+                norm += (b as f64).powi(2);
+            }
+            (diff.sqrt() / norm.sqrt().max(1e-30)) as f32
+        })
+        .collect()
+}
+
+/// The closed-form attention output for q = 0 (all scores equal, softmax uniform): for each query
+/// head, the mean over the row's visible keys of its KV head's values, in f64. `v` is the value pool
+/// `[slots, kv_heads * d]`; `rows[i] = (block table, visible keys)` for output row i.
+pub fn uniform_attention(v: &[f32], shape: recall::backend::AttnShape, rows: &[(&[u32], usize)]) -> Vec<f32> {
+    let (d, kvd, bs) = (shape.head_dim, shape.kv_heads * shape.head_dim, shape.block_size);
+    let group = shape.q_heads / shape.kv_heads;
+    let mut out = Vec::with_capacity(rows.len() * shape.q_heads * d);
+    for &(table, keys) in rows {
+        let mut sum = vec![0f64; kvd];
+        for i in 0..keys {
+            let slot = table[i / bs] as usize * bs + i % bs;
+            for (s, &x) in sum.iter_mut().zip(&v[slot * kvd..(slot + 1) * kvd]) {
+                *s += x as f64;
+            }
+        }
+        for h in 0..shape.q_heads {
+            let kv = h / group;
+            out.extend(sum[kv * d..(kv + 1) * d].iter().map(|s| (s / keys as f64) as f32));
+        }
+    }
+    out
+}
+
 /// Logits of every position of `input`, run alone through the text model (a fresh cache).
 pub fn prompt_logits<B: recall::backend::Backend>(
     p: &recall::engine::Pipeline<B>,

@@ -67,11 +67,11 @@ step() {
 
 t=(--nocapture --test-threads=1)
 step "kernels: NVRTC -> cache" 90 "$bin/cuda_flash" "${t[@]}" --exact flash_declines_unsupported_shapes_and_rejects_malformed_calls
-step "decode attention v2" 60 "$bin/cuda_decode" "${t[@]}"
+step "decode attention v2" 90 "$bin/cuda_decode" "${t[@]}"
 step "flash + v1 attention" 90 "$bin/cuda_flash" "${t[@]}" --skip flash_declines_unsupported
 step "fused qk-norm/rope/KV" 30 "$bin/cuda_fused" "${t[@]}"
 step "decode graphs" 40 "$bin/cuda_graphs" "${t[@]}"
-step "batch-invariant exactness" 40 "$bin/cuda_exact" "${t[@]}"
+step "batch-invariant exactness" 60 "$bin/cuda_exact" "${t[@]}"
 step "op parity (+ v1 attention)" 60 "$bin/cuda_ops" "${t[@]}" --skip models::
 step "fixture models vs HF" 40 "$bin/cuda_ops" "${t[@]}" models::tiny
 step "HGKV bypass bitwise" 30 "$bin/cuda_ops" "${t[@]}" models::hgkv_bypass

@@ -7,8 +7,8 @@
 
 pub mod gemm;
 mod ops;
-/// The index of the first maximum of a row (NaN never wins after index 0): the CPU argmax, for
-/// callers that choose on the host.
+/// The index of the first maximum of a row over its non-NaN entries (numpy's `nanargmax`; 0 when
+/// all are NaN): the CPU argmax, for callers that choose on the host.
 pub use ops::argmax as argmax_row;
 pub mod peak;
 mod profile;

@@ -257,13 +257,15 @@ pub(super) fn log_softmax_at(row: &[f32], t: usize) -> f32 {
     ((row[t] - max) as f64 - sum.ln()) as f32
 }
 
-/// Index of the first maximum.
+/// Index of the first maximum over the non-NaN entries (numpy's `nanargmax`); 0 when all are NaN.
+/// The CUDA twin (`argmax_v1` in kernels/reduce.cu) keeps the same rule, so a NaN logit cannot make
+/// the backends pick different tokens (with a bare `x > row[best]`, a NaN at index 0 would win).
 pub fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
+    let mut best: Option<(usize, f32)> = None;
     for (i, &x) in row.iter().enumerate() {
-        if x > row[best] {
-            best = i;
+        if !x.is_nan() && best.is_none_or(|(_, b)| x > b) {
+            best = Some((i, x));
         }
     }
-    best as u32
+    best.map_or(0, |(i, _)| i) as u32
 }

@@ -40,6 +40,9 @@ struct Plan {
     b: sys::cublasLtMatrixLayout_t,
     d: sys::cublasLtMatrixLayout_t,
     algo: sys::cublasLtMatmulAlgo_t,
+    /// Batch-invariant mode could not use the reference algorithm for this shape (see
+    /// [`Lt::invariant_algo`]): the plan is not batch-invariant.
+    fallback: bool,
 }
 
 impl Drop for Plan {
@@ -119,6 +122,24 @@ impl Lt {
         self.state.lock().map(|s| s.plans.len()).unwrap_or(0)
     }
 
+    /// Cached batch-invariant plans that fell back to their own heuristic algorithm, as
+    /// `(n, out, inner)`.
+    pub(super) fn invariant_fallbacks(&self) -> Vec<(usize, usize, usize)> {
+        self.state
+            .lock()
+            .map(|s| {
+                let mut v: Vec<_> = s
+                    .plans
+                    .iter()
+                    .filter(|(_, p)| p.fallback)
+                    .map(|(k, _)| (k.n, k.out, k.inner))
+                    .collect();
+                v.sort_unstable();
+                v
+            })
+            .unwrap_or_default()
+    }
+
     fn plan(handle: sys::cublasLtHandle_t, k: Key) -> Result<Plan> {
         let bf16 = sys::cudaDataType_t::CUDA_R_16BF;
         let desc = lt::create_matmul_desc(
@@ -134,6 +155,7 @@ impl Lt {
             d: std::ptr::null_mut(),
             // SAFETY: a plain C struct of integers, overwritten by the heuristic below.
             algo: unsafe { std::mem::zeroed() },
+            fallback: false,
         };
         let (n, out, inner) = (k.n as u64, k.out as u64, k.inner as u64);
         plan.a =
@@ -163,11 +185,12 @@ impl Lt {
             )
             .map_err(|e| lt_err("EPILOGUE", e))?;
         }
-        plan.algo = if k.invariant {
+        (plan.algo, plan.fallback) = if k.invariant {
             Self::invariant_algo(handle, &plan, k)?
         } else {
-            Self::heuristic(handle, &plan, plan.b, plan.d)
-                .map_err(|e| lt_err(&format!("no algorithm for n={n} out={out} in={inner}"), e))?
+            let algo = Self::heuristic(handle, &plan, plan.b, plan.d)
+                .map_err(|e| lt_err(&format!("no algorithm for n={n} out={out} in={inner}"), e))?;
+            (algo, false)
         };
         Ok(plan)
     }
@@ -198,12 +221,12 @@ impl Lt {
     /// Batch-invariant mode: the algorithm the heuristic picks at `INVARIANT_REF_ROWS` rows, with
     /// split-K off, checked (`cublasLtMatmulAlgoCheck`) for this plan's row count. When it does not
     /// apply, the plan falls back to the heuristic for its own `n` and says so (that shape is then
-    /// not batch-invariant).
+    /// not batch-invariant): `(algorithm, fell back)`.
     fn invariant_algo(
         handle: sys::cublasLtHandle_t,
         plan: &Plan,
         k: Key,
-    ) -> Result<sys::cublasLtMatmulAlgo_t> {
+    ) -> Result<(sys::cublasLtMatmulAlgo_t, bool)> {
         let bf16 = sys::cudaDataType_t::CUDA_R_16BF;
         let (out, inner) = (k.out as u64, k.inner as u64);
         let b_ref = lt::create_matrix_layout(bf16, inner, INVARIANT_REF_ROWS, inner as i64)
@@ -261,7 +284,7 @@ impl Lt {
             })
         };
         match checked {
-            Ok(()) => Ok(algo),
+            Ok(()) => Ok((algo, false)),
             Err(e) => {
                 tracing::warn!(
                     "batch-invariant GEMM: the reference algorithm does not apply to n={} out={out} in={inner} ({e:?}); \
@@ -269,6 +292,7 @@ impl Lt {
                     k.n
                 );
                 Self::heuristic(handle, plan, plan.b, plan.d)
+                    .map(|a| (a, true))
                     .map_err(|e| lt_err(&format!("no algorithm for n={} out={out} in={inner}", k.n), e))
             }
         }

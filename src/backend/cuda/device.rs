@@ -3,6 +3,7 @@
 //! `mod.rs` and call down into these.
 
 use super::*;
+use cudarc::driver::sys;
 
 impl CudaBackend {
     /// Opens device `ordinal`, compiles (or loads from the cache) every kernel for its architecture
@@ -22,6 +23,7 @@ impl CudaBackend {
             CudaContext::new(ordinal).map_err(|e| cuda_err(format!("context on device {ordinal}: {e:?}")))?;
         // SAFETY: the backend uses one stream only, so cross-stream event tracking is not needed.
         unsafe { ctx.disable_event_tracking() };
+        keep_freed_memory(&ctx)?;
         // Not the legacy default stream: CUDA graphs cannot be captured on it.
         let stream = ctx
             .new_stream()
@@ -68,6 +70,19 @@ impl CudaBackend {
         })
     }
 
+    /// The release threshold of the memory pool the backend allocates from (stream-ordered
+    /// `cuMemAllocAsync`): `u64::MAX` once [`CudaBackend::new`] has set it, so that freed memory stays
+    /// in the pool instead of going back to the driver at every synchronisation.
+    pub fn pool_release_threshold(&self) -> Result<u64> {
+        let mut v: u64 = 0;
+        let pool = current_pool(&self.ctx)?;
+        let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+        // SAFETY: the pool is the device's current pool; the attribute is a u64.
+        unsafe { drv::mem_pool::get_attribute(pool, attr, (&mut v as *mut u64).cast()) }
+            .map_err(|e| cuda_err(format!("reading the memory pool's release threshold: {e:?}")))?;
+        Ok(v)
+    }
+
     /// The device's architecture, e.g. `sm_90`.
     pub fn arch(&self) -> &str {
         &self.arch
@@ -109,6 +124,13 @@ impl CudaBackend {
     /// GEMM shapes planned so far (descriptors and algorithms cached by cuBLASLt shape).
     pub fn cached_gemm_plans(&self) -> usize {
         self.lt.cached_plans()
+    }
+
+    /// GEMM shapes `(rows, out, in)` planned in batch-invariant mode whose reference algorithm did not
+    /// apply, so that they use their own (not batch-invariant) algorithm; empty when the mode holds
+    /// for every shape run so far.
+    pub fn batch_invariant_fallbacks(&self) -> Vec<(usize, usize, usize)> {
+        self.lt.invariant_fallbacks()
     }
 
     pub(super) fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
@@ -365,13 +387,6 @@ impl CudaBackend {
         })
     }
 
-    /// Runs a step directly after its recording or replay was abandoned (nothing of it ran on the
-    /// device: captured work is discarded, replayed work was never issued).
-    pub(super) fn run_direct<R>(&self, key: StepKey, f: &mut dyn FnMut() -> Result<R>) -> Result<R> {
-        self.steps()?.abandon(key);
-        f()
-    }
-
     /// Refuses host reads inside a recorded or replayed step (a graph cannot return data mid-step).
     pub(super) fn direct_only(&self, op: &str) -> Result<()> {
         if self.steps()?.mode == graph::Mode::Direct {
@@ -505,4 +520,68 @@ impl CudaBackend {
         let index = self.stage(&vec![0u32; rows])?;
         self.gather(self.ptr(&row.buf), &index, rows, row.len())
     }
+}
+
+impl capture::StepDriver for CudaBackend {
+    type Graph = capture::StepGraph;
+
+    fn begin(&self, key: StepKey) -> Result<graph::Mode> {
+        self.steps()?.begin(key, &self.stream)
+    }
+
+    fn begin_capture(&self) -> Result<()> {
+        capture::begin_capture(&self.stream)
+    }
+
+    fn end_capture(&self) -> Result<Option<capture::StepGraph>> {
+        capture::end_capture(&self.stream)
+    }
+
+    fn finish_replay(&self, key: StepKey) -> Result<bool> {
+        self.steps()?.finish_replay(key, &self.stream)
+    }
+
+    fn finish_record(&self, key: StepKey, graph: Option<capture::StepGraph>) -> Result<bool> {
+        self.steps()?.finish_record(key, graph, &self.stream)
+    }
+
+    fn record_failed(&self, key: StepKey) {
+        if let Ok(mut s) = self.steps() {
+            s.record_failed(key);
+        }
+    }
+
+    /// Back to direct mode: captured work is discarded, replayed work was never issued.
+    fn abandon(&self, key: StepKey) -> Result<()> {
+        self.steps()?.abandon(key);
+        Ok(())
+    }
+}
+
+/// The memory pool stream-ordered allocations on `ctx`'s device come from.
+fn current_pool(ctx: &Arc<CudaContext>) -> Result<sys::CUmemoryPool> {
+    // SAFETY: the device handle comes from a live context.
+    unsafe { drv::device::get_mem_pool(ctx.cu_device()) }
+        .map_err(|e| cuda_err(format!("the device's memory pool: {e:?}")))
+}
+
+/// Sets the pool's release threshold to the maximum. Its default, 0, returns every freed byte to the
+/// driver at each synchronisation, so every step's activations would be allocated from the driver
+/// again (the cost PyTorch's caching allocator exists to avoid). A device without stream-ordered
+/// allocation keeps cudarc's synchronous allocations and has no pool to set.
+fn keep_freed_memory(ctx: &Arc<CudaContext>) -> Result<()> {
+    let pools = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED;
+    if ctx
+        .attribute(pools)
+        .map_err(|e| cuda_err(format!("device attribute {pools:?}: {e:?}")))?
+        == 0
+    {
+        return Ok(());
+    }
+    let pool = current_pool(ctx)?;
+    let mut v = u64::MAX;
+    let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+    // SAFETY: the pool is the device's current pool; the attribute is a u64.
+    unsafe { drv::mem_pool::set_attribute(pool, attr, (&mut v as *mut u64).cast()) }
+        .map_err(|e| cuda_err(format!("setting the memory pool's release threshold: {e:?}")))
 }

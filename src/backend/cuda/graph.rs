@@ -23,9 +23,11 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{result, sys, CudaGraph, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{result, CudaSlice, CudaStream, DevicePtr};
 use xxhash_rust::xxh64::Xxh64;
 
+pub(super) use super::capture::Mode;
+use super::capture::StepGraph;
 use super::libs::cuda_err;
 use super::staging::Pinned;
 use crate::backend::{StepKey, StepStats};
@@ -42,17 +44,6 @@ const STAGING_BYTES: usize = 1 << 20;
 /// failing (e.g. its host code reads device data) would otherwise be captured and then run again
 /// directly on every step: twice the host work, forever.
 const MAX_RECORD_FAILURES: u32 = 3;
-
-/// What launches do in the current step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Mode {
-    /// No step in progress: launch directly.
-    Direct,
-    /// Recording: launch (into the capture) and append to the trace.
-    Record,
-    /// Replaying: compare with the trace, do not launch.
-    Replay,
-}
 
 /// First-fit allocator over `[0, cap)` with coalescing frees. Deterministic: the same calls give the
 /// same offsets.
@@ -146,13 +137,9 @@ impl Failures {
 
 /// One recorded step.
 struct Recording {
-    graph: CudaGraph,
+    graph: StepGraph,
     trace: Vec<u64>,
 }
-
-// SAFETY: graphs are only touched under the backend's step mutex, one thread at a time, which is what
-// CUDA requires of graph objects.
-unsafe impl Send for Recording {}
 
 /// The step state of a backend (behind its mutex).
 pub(super) struct Steps {
@@ -320,6 +307,7 @@ impl Steps {
     pub(super) fn begin(&mut self, key: StepKey, stream: &Arc<CudaStream>) -> Result<Mode> {
         let first = |s: &mut Self| !s.recordings.contains_key(&key) && s.warmed.insert(key);
         if !self.enabled || self.failures.given_up(key) || first(self) {
+            self.mode = Mode::Direct;
             self.stats.direct += 1;
             return Ok(Mode::Direct);
         }
@@ -366,9 +354,7 @@ impl Steps {
             .recordings
             .get(&key)
             .ok_or_else(|| cuda_err("recording vanished"))?;
-        r.graph
-            .launch()
-            .map_err(|e| cuda_err(format!("graph launch: {e:?}")))?;
+        r.graph.launch(stream)?;
         self.stats.replayed += 1;
         Ok(true)
     }
@@ -377,7 +363,7 @@ impl Steps {
     pub(super) fn finish_record(
         &mut self,
         key: StepKey,
-        graph: Option<CudaGraph>,
+        graph: Option<StepGraph>,
         stream: &Arc<CudaStream>,
     ) -> Result<bool> {
         self.mode = Mode::Direct;
@@ -386,9 +372,7 @@ impl Steps {
             return Ok(false);
         };
         self.copy_staged(stream)?;
-        graph
-            .launch()
-            .map_err(|e| cuda_err(format!("graph launch: {e:?}")))?;
+        graph.launch(stream)?;
         let trace = std::mem::take(&mut self.trace);
         self.recordings.insert(key, Recording { graph, trace });
         self.stats.recorded += 1;
@@ -426,6 +410,7 @@ impl Steps {
         self.pinned = None;
         self.arena_bytes *= 2;
         self.staging_bytes *= 2;
+        self.overflow = false; // grown once per overflow, however many paths report it
         tracing::info!(
             "step memory grown to {} MiB arena, {} MiB staging",
             self.arena_bytes >> 20,
@@ -446,24 +431,6 @@ impl Steps {
         let src = unsafe { std::slice::from_raw_parts(pinned.ptr(), self.staged) };
         unsafe { result::memcpy_htod_async(dst, src, stream.cu_stream()) }
             .map_err(|e| cuda_err(format!("staging copy: {e:?}")))
-    }
-}
-
-/// Starts a capture on `stream` (thread-local mode: other threads' CUDA calls are unaffected).
-pub(super) fn begin_capture(stream: &Arc<CudaStream>) -> Result<()> {
-    stream
-        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .map_err(|e| cuda_err(format!("begin capture: {e:?}")))
-}
-
-/// Ends the capture; `None` when it failed or captured nothing.
-pub(super) fn end_capture(stream: &Arc<CudaStream>) -> Option<CudaGraph> {
-    match stream.end_capture(sys::CUgraphInstantiate_flags(0)) {
-        Ok(g) => g,
-        Err(e) => {
-            tracing::debug!("end capture: {e:?}");
-            None
-        }
     }
 }
 

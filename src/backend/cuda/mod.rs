@@ -13,6 +13,7 @@
 
 mod attention_v1;
 mod blas;
+mod capture;
 mod decode;
 mod device;
 mod flash;
@@ -673,32 +674,7 @@ impl Backend for CudaBackend {
     }
 
     fn run_step<R>(&self, key: StepKey, f: &mut dyn FnMut() -> Result<R>) -> Result<R> {
-        let mode = self.steps()?.begin(key, &self.stream)?;
-        match mode {
-            graph::Mode::Direct => f(),
-            graph::Mode::Replay => {
-                let r = f();
-                let replayed = self.steps()?.finish_replay(key, &self.stream)?;
-                match r {
-                    Ok(r) if replayed => Ok(r),
-                    // Nothing ran on the device: run the step directly.
-                    _ => self.run_direct(key, f),
-                }
-            }
-            graph::Mode::Record => {
-                graph::begin_capture(&self.stream)?;
-                let r = f();
-                let g = graph::end_capture(&self.stream);
-                let recorded = r.is_ok() && self.steps()?.finish_record(key, g, &self.stream)?;
-                match r {
-                    Ok(r) if recorded => Ok(r),
-                    _ => {
-                        self.steps()?.record_failed(key);
-                        self.run_direct(key, f)
-                    }
-                }
-            }
-        }
+        capture::drive_step(self, key, f)
     }
 
     fn set_step_replay(&self, on: bool) {
