@@ -10,12 +10,13 @@ mod common;
 use std::path::Path;
 
 use common::fixture;
-use recall::agent::causalcache::{two_pass_step, EpisodeMemo, TwoPassConfig};
+use recall::action::{equivalent, parse_response};
+use recall::agent::causalcache::{two_pass_step, EpisodeMemo, ReferenceSource, TwoPassConfig};
 use recall::backend::cpu::CpuBackend;
 use recall::engine::{EngineConfig, GenerateParams, Pipeline};
 use recall::memory::episode::Episode;
 use recall::memory::policy::{AllocationPolicy, PolicyInputs, Recent};
-use recall::memory::protocol::{render_decision, Protocol};
+use recall::memory::protocol::{render_decision_with, Protocol, RestoreAs};
 use recall::memory::selector::DecisionContext;
 
 /// Always shows the oldest event plus the most recent ones (a promotion whenever t > B + 1).
@@ -58,19 +59,35 @@ fn cfg() -> TwoPassConfig {
 
 /// The answer of a fresh engine (no prefix caching, no draft) to decision t rendered with `allocation`.
 fn fresh_answer(p: &Pipeline<CpuBackend>, episode: &Episode, t: usize, allocation: &[usize]) -> Vec<u32> {
+    fresh_answer_with(p, episode, t, allocation, RestoreAs::Pixels)
+}
+
+/// [`fresh_answer`] with the restored slots rendered as `restore` says.
+fn fresh_answer_with(
+    p: &Pipeline<CpuBackend>,
+    episode: &Episode,
+    t: usize,
+    allocation: &[usize],
+    restore: RestoreAs,
+) -> Vec<u32> {
     let mut e = p
         .engine(EngineConfig {
             prefix_caching: false,
             ..EngineConfig::default()
         })
         .unwrap();
-    let messages = render_decision(Protocol::Mobile, &episode.decision(t).unwrap(), allocation).unwrap();
+    let messages = render_decision_with(
+        Protocol::Mobile,
+        &episode.decision(t).unwrap(),
+        allocation,
+        restore,
+    )
+    .unwrap();
     let prompt = p.chat_prompt(&mut e, &messages, true).unwrap();
-    let mut eos = p.eos_token_ids();
-    eos.extend(p.tokenizer.token_id("</tool_call>"));
+    // The protocol's stop rule, the step's default: `</tool_call>` alone, the eos suppressed.
     let params = GenerateParams {
         max_tokens: cfg().max_tokens,
-        eos_token_ids: eos,
+        eos_token_ids: p.tokenizer.token_id("</tool_call>").into_iter().collect(),
         stop_strings: vec![],
     };
     e.generate(&prompt, &params).unwrap().tokens
@@ -95,7 +112,7 @@ fn recent_allocation_is_a_single_pass() {
         assert_eq!(r.response, r.proposal);
         let single = p
             .tokenizer
-            .decode(&fresh_answer(&p, &episode, t, &r.recent))
+            .decode_text(&fresh_answer(&p, &episode, t, &r.recent))
             .unwrap();
         assert_eq!(
             r.response, single,
@@ -131,7 +148,7 @@ fn second_pass_equals_a_fresh_run_of_its_prompt() {
             assert_eq!(r.k, 1, "t={t}: {r:?}");
             let fresh = p
                 .tokenizer
-                .decode(&fresh_answer(&p, &episode, t, &r.allocation))
+                .decode_text(&fresh_answer(&p, &episode, t, &r.allocation))
                 .unwrap();
             assert_eq!(
                 r.response, fresh,
@@ -143,4 +160,162 @@ fn second_pass_equals_a_fresh_run_of_its_prompt() {
     assert!(ran >= 5, "pass 2 ran only {ran} times");
     // Each screenshot went through the vision tower once over the whole episode.
     assert_eq!(e.vision_cache().tower_runs as usize, episode.len() + 1);
+}
+
+/// The paper's text controls keep selection, budget and the two-pass interface and replace the restored
+/// frames' pixels with text. Every step of a `--restore-as response` run chooses the allocation the
+/// pixel run chooses (the policy is the same), runs pass 2 exactly when it does, and answers what a
+/// fresh engine answers on the text-slot prompt; no history screenshot reaches the vision tower. OCR
+/// without transcripts is a clear error, and the engine serves the next request after it.
+#[test]
+fn text_slots_keep_selection_and_budget_and_replace_the_pixels() {
+    let (p, episode) = demo();
+    let mut e = p.engine(EngineConfig::default()).unwrap();
+    let (mut pixels_memo, mut text_memo) = (EpisodeMemo::default(), EpisodeMemo::default());
+    let text_cfg = TwoPassConfig {
+        restore_as: RestoreAs::Response,
+        ..cfg()
+    };
+    let mut ran = 0;
+    for t in 1..=episode.decisions() {
+        let px = two_pass_step(
+            &mut p.session(&mut e),
+            &episode,
+            t,
+            &mut OldestFirst,
+            &cfg(),
+            &mut pixels_memo,
+        )
+        .unwrap();
+        let tx = two_pass_step(
+            &mut p.session(&mut e),
+            &episode,
+            t,
+            &mut OldestFirst,
+            &text_cfg,
+            &mut text_memo,
+        )
+        .unwrap();
+        assert_eq!(
+            (&tx.recent, &tx.allocation, tx.pass2),
+            (&px.recent, &px.allocation, px.pass2),
+            "t={t}"
+        );
+        ran += usize::from(tx.pass2);
+        let fresh = fresh_answer_with(&p, &episode, t, &tx.allocation, RestoreAs::Response);
+        assert_eq!(tx.response, p.tokenizer.decode_text(&fresh).unwrap(), "t={t}");
+    }
+    assert!(ran >= 5, "pass 2 ran only {ran} times");
+
+    let mut e = p.engine(EngineConfig::default()).unwrap();
+    let ocr_cfg = TwoPassConfig {
+        restore_as: RestoreAs::Ocr,
+        ..cfg()
+    };
+    let err = two_pass_step(
+        &mut p.session(&mut e),
+        &episode,
+        4,
+        &mut OldestFirst,
+        &ocr_cfg,
+        &mut EpisodeMemo::default(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("has no OCR transcript"), "{err}");
+    let r = two_pass_step(
+        &mut p.session(&mut e),
+        &episode,
+        4,
+        &mut OldestFirst,
+        &text_cfg,
+        &mut EpisodeMemo::default(),
+    )
+    .unwrap();
+    assert_eq!(r.allocation.len(), cfg().budget);
+    // Only current screens were encoded: the failed OCR request encoded nothing, the text run one screen.
+    assert_eq!(e.vision_cache().tower_runs, 1);
+}
+
+/// Records the selector's view of every decision, then allocates as `OldestFirst`.
+#[derive(Default)]
+struct Recording {
+    seen: Vec<DecisionContext>,
+}
+
+impl AllocationPolicy for Recording {
+    fn name(&self) -> &'static str {
+        "recording"
+    }
+
+    fn allocate(
+        &mut self,
+        ctx: &DecisionContext,
+        budget: usize,
+        extra: &PolicyInputs,
+    ) -> recall::Result<Vec<usize>> {
+        self.seen.push(ctx.clone());
+        OldestFirst.allocate(ctx, budget, extra)
+    }
+}
+
+/// The paper's reference ladder ("Reference actions"): the witness features compare each event's
+/// following action with a reference — the gold teacher-forced target, no action signal, or the
+/// previously executed action of the single-pass variant, which "removes the second call".
+#[test]
+fn the_reference_ladder_gives_the_selector_the_papers_references() {
+    let (p, episode) = demo();
+    let platform = episode.platform;
+    let action = |text: &str| parse_response(text, platform).ok();
+    let witnesses = |ctx: &DecisionContext, reference: Option<&recall::action::Action>| {
+        for e in &ctx.events {
+            let a = action(&episode.steps[e.step - 1].response);
+            let want = matches!((a, reference), (Some(a), Some(r)) if equivalent(&a, r, platform));
+            assert_eq!(e.witness, want, "t={} step {}", ctx.t, e.step);
+        }
+    };
+    for source in [
+        ReferenceSource::Gold,
+        ReferenceSource::None,
+        ReferenceSource::LastAction,
+    ] {
+        let cfg = TwoPassConfig {
+            reference: source,
+            ..cfg()
+        };
+        let mut e = p.engine(EngineConfig::default()).unwrap();
+        let (mut memo, mut policy) = (EpisodeMemo::default(), Recording::default());
+        let mut reports = Vec::new();
+        for t in 1..=episode.decisions() {
+            let r = two_pass_step(&mut p.session(&mut e), &episode, t, &mut policy, &cfg, &mut memo);
+            if source == ReferenceSource::Gold && episode.decision(t).unwrap().reference.is_none() {
+                // A live decision (t = T + 1) has no record to be the gold reference.
+                let err = r.unwrap_err().to_string();
+                assert!(err.contains("no recorded response"), "{err}");
+                continue;
+            }
+            reports.push(r.unwrap());
+        }
+        for (ctx, r) in policy.seen.iter().zip(&reports) {
+            let t = ctx.t;
+            let decision = episode.decision(t).unwrap();
+            match source {
+                ReferenceSource::Gold => witnesses(ctx, action(decision.reference.unwrap()).as_ref()),
+                ReferenceSource::None => {
+                    assert!(ctx.reference_point.is_none() && ctx.events.iter().all(|e| !e.witness));
+                }
+                _ => {
+                    let last = (t > 1).then(|| action(&episode.steps[t - 2].response)).flatten();
+                    witnesses(ctx, last.as_ref());
+                    // One pass, on the allocation chosen before it: a fresh run of that prompt.
+                    assert!(!r.pass2 && r.response == r.proposal, "t={t}: {r:?}");
+                    let fresh = fresh_answer(&p, &episode, t, &r.allocation);
+                    assert_eq!(r.response, p.tokenizer.decode_text(&fresh).unwrap(), "t={t}");
+                }
+            }
+        }
+        assert_eq!(policy.seen.len(), reports.len(), "{source:?}");
+        assert!(reports.len() + 1 >= episode.decisions(), "{source:?}");
+    }
+    assert!("oracle".parse::<ReferenceSource>().is_err());
 }

@@ -92,6 +92,8 @@ fn synthetic(subset: Option<&str>) -> Vec<StepOutcome> {
                 first: opinion(a, x, y),
                 second: opinion(b, x, y),
                 target_box: Some([x - 5, y - 5, x + 100, y + 5]), // holds InBox, not Far or Near
+                ui_annotations: Vec::new(),
+                candidate_boxes: Vec::new(),
             }
         })
         .collect()
@@ -204,6 +206,8 @@ fn macro_and_micro_averages_differ_on_unequal_subsets() {
             first: pick(first_ok),
             second: pick(second_ok),
             target_box: None,
+            ui_annotations: Vec::new(),
+            candidate_boxes: Vec::new(),
         });
     }
     let r = evaluate(&steps, Platform::Mobile, no_bootstrap()).unwrap();
@@ -437,6 +441,8 @@ fn dataset_loads_all_reference_forms() {
             first: s.reference.clone(),
             second: s.reference.clone(),
             target_box: s.target_box,
+            ui_annotations: s.ui_annotations.clone(),
+            candidate_boxes: s.candidate_boxes.clone(),
         })
         .collect();
     let r = evaluate(&outcomes, d.platform, no_bootstrap()).unwrap();
@@ -646,6 +652,8 @@ fn converter_samples_load() {
                 first: s.reference.clone(),
                 second: s.reference.clone(),
                 target_box: s.target_box,
+                ui_annotations: s.ui_annotations.clone(),
+                candidate_boxes: s.candidate_boxes.clone(),
             })
             .collect();
         let r = evaluate(&outcomes, d.platform, BootstrapConfig::default()).unwrap();

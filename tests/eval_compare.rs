@@ -32,6 +32,8 @@ fn outcomes(right: impl Fn(usize, usize) -> bool) -> Vec<StepOutcome> {
                 first: answer.clone(),
                 second: answer,
                 target_box: None,
+                ui_annotations: Vec::new(),
+                candidate_boxes: Vec::new(),
             });
         }
     }
@@ -71,7 +73,7 @@ fn compare_counts_keeps_repairs_and_harms() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    assert!(String::from_utf8_lossy(&o.stdout).contains("only B right (repairs)"));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("| only B right |"));
     let c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
     let (mut keeps, mut repairs, mut harms, mut neither) = (0, 0, 0, 0);
     for e in 0..8 {
@@ -84,13 +86,13 @@ fn compare_counts_keeps_repairs_and_harms() {
             }
         }
     }
-    let n = &c["counts"];
+    let n = &c["pairwise"];
     assert_eq!(
         (
             n["steps"].as_u64(),
-            n["keeps"].as_u64(),
-            n["repairs"].as_u64(),
-            n["harms"].as_u64(),
+            n["both_right"].as_u64(),
+            n["only_b_right"].as_u64(),
+            n["only_a_right"].as_u64(),
             n["neither"].as_u64()
         ),
         (Some(48), Some(keeps), Some(repairs), Some(harms), Some(neither)),
@@ -168,6 +170,8 @@ fn the_scorer_sets_the_rule_and_comparisons_stay_within_one() {
             first: typed("goodbye"),
             second: typed("goodbye"),
             target_box: None,
+            ui_annotations: Vec::new(),
+            candidate_boxes: Vec::new(),
         })
         .collect();
     let boot = BootstrapConfig {

@@ -3,8 +3,8 @@
 use std::collections::HashMap;
 
 use recall::memory::policy::{
-    thumbnail, AllocationPolicy, Inverted, OracleBeam, PolicyInputs, Random, Recent, Rgb, Selector,
-    Thumbnail, THUMB_LEN,
+    text_similarity, thumbnail, AllocationPolicy, Inverted, OcrText, OracleBeam, PolicyInputs, Random,
+    Recent, Rgb, Selector, Thumbnail, THUMB_LEN,
 };
 use recall::memory::selector::{dedup_pool, ActionBucket, DecisionContext, EventInfo, Mode};
 
@@ -58,11 +58,73 @@ fn rgb_picks_the_most_similar_thumbnails() {
     let inputs = PolicyInputs {
         current_thumbnail: Some(&current),
         event_thumbnails: Some(&thumbs),
+        ..PolicyInputs::default()
     };
     assert_eq!(Rgb.allocate(&c, 2, &inputs).unwrap(), vec![3, 7]);
     assert_eq!(Rgb.allocate(&c, 3, &inputs).unwrap(), vec![3, 5, 7]);
     // Missing inputs are errors, not panics.
     assert!(Rgb.allocate(&c, 2, &PolicyInputs::default()).is_err());
+}
+
+/// The paper's OCR-similarity baseline ranks archived screens by how much their transcript shares with
+/// the current screen's. Worked by hand with the cosine of word counts: current = {settings: 1, wi: 1,
+/// fi: 1, network: 1} (norm 2); step 2 "Wi-Fi settings" shares 3 of its 3 words: 3 / (2·√3) ≈ 0.866;
+/// step 4 "Network settings, network" = {network: 2, settings: 1}: (2 + 1) / (2·√5) ≈ 0.671; step 6
+/// "Alarm" shares nothing: 0; step 7 "settings" 1 / 2 = 0.5; the others are empty (0).
+#[test]
+fn ocr_picks_the_transcripts_most_like_the_current_screen() {
+    let c = ctx(9);
+    let texts: HashMap<usize, &str> = [
+        (1, ""),
+        (2, "Wi-Fi settings"),
+        (3, ""),
+        (4, "Network settings, network"),
+        (5, ""),
+        (6, "Alarm"),
+        (7, "settings"),
+        (8, ""),
+    ]
+    .into_iter()
+    .collect();
+    let current = "Settings / Wi-Fi network";
+    assert!((text_similarity(current, texts[&2]) - 3.0 / (2.0 * 3f64.sqrt())).abs() < 1e-12);
+    assert!((text_similarity(current, texts[&4]) - 3.0 / (2.0 * 5f64.sqrt())).abs() < 1e-12);
+    let inputs = PolicyInputs {
+        current_text: Some(current),
+        event_texts: Some(&texts),
+        ..PolicyInputs::default()
+    };
+    assert_eq!(OcrText.allocate(&c, 1, &inputs).unwrap(), vec![2]);
+    assert_eq!(OcrText.allocate(&c, 3, &inputs).unwrap(), vec![2, 4, 7]);
+    // Four: step 6 and the empty ones tie at 0; the most recent of them (8) wins.
+    assert_eq!(OcrText.allocate(&c, 4, &inputs).unwrap(), vec![2, 4, 7, 8]);
+    // A missing transcript is an error naming the step and the field, not a panic.
+    let mut gap = texts.clone();
+    gap.remove(&6);
+    let err = OcrText
+        .allocate(
+            &c,
+            2,
+            &PolicyInputs {
+                event_texts: Some(&gap),
+                ..inputs
+            },
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("step 6 (steps[5].ocr)"), "{err}");
+    let err = OcrText
+        .allocate(
+            &c,
+            2,
+            &PolicyInputs {
+                current_text: None,
+                ..inputs
+            },
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("decision 9 has no OCR transcript"), "{err}");
 }
 
 #[test]
@@ -146,9 +208,21 @@ fn every_policy_is_exact_b_and_deterministic() {
         let steps: Vec<usize> = c.events.iter().map(|e| e.step).collect();
         let current: Thumbnail = [rng.u8(..); THUMB_LEN];
         let thumbs: HashMap<usize, Thumbnail> = steps.iter().map(|&s| (s, [rng.u8(..); THUMB_LEN])).collect();
+        let words = ["wifi", "clock", "alarm", "settings", "save"];
+        let mut transcript = || {
+            (0..rng.usize(0..4))
+                .map(|_| words[rng.usize(0..5)])
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        let current_text = transcript();
+        let texts: HashMap<usize, String> = steps.iter().map(|&s| (s, transcript())).collect();
+        let text_refs: HashMap<usize, &str> = texts.iter().map(|(&s, t)| (s, t.as_str())).collect();
         let inputs = PolicyInputs {
             current_thumbnail: Some(&current),
             event_thumbnails: Some(&thumbs),
+            current_text: Some(&current_text),
+            event_texts: Some(&text_refs),
         };
         let b = rng.usize(0..6);
         let oracle =
@@ -157,6 +231,7 @@ fn every_policy_is_exact_b_and_deterministic() {
             Box::new(Recent),
             Box::new(Random { seed: 4 }),
             Box::new(Rgb),
+            Box::new(OcrText),
             Box::new(Selector::new(model, Mode::Paper)),
             Box::new(Selector::new(model, Mode::Reference)),
             Box::new(Inverted::new(model, Mode::Paper)),

@@ -14,8 +14,9 @@ use std::path::{Path, PathBuf};
 
 use recall::memory::episode::{Episode, Platform, StepRecord};
 use recall::memory::protocol::{
-    fold, recent_b, render, render_decision, validate_allocation, Protocol, CONTINUED_HEADER,
-    DESKTOP_SYSTEM_PROMPT, DESKTOP_SYSTEM_PROMPT_SHA256, MOBILE_SYSTEM_PROMPT, MOBILE_SYSTEM_PROMPT_SHA256,
+    fold, recent_b, render, render_decision, render_with, validate_allocation, Protocol, RestoreAs,
+    CONTINUED_HEADER, DESKTOP_SYSTEM_PROMPT, DESKTOP_SYSTEM_PROMPT_SHA256, MOBILE_SYSTEM_PROMPT,
+    MOBILE_SYSTEM_PROMPT_SHA256,
 };
 use recall::tokenize::chat::{render_chat_with_images, ChatFamily, ChatMessage, ContentPart};
 use recall::tokenize::Tokenizer;
@@ -290,6 +291,7 @@ fn placeholder_steps(n: usize) -> Vec<StepRecord> {
             screenshot: PathBuf::from(format!("x{s}")),
             response: format!("<r{s}>"),
             action_line: Some(format!("<a{s}>")),
+            ocr: None,
         })
         .collect()
 }
@@ -495,6 +497,96 @@ fn random_allocations_keep_every_step_exactly_once() {
     assert!(cases > 800);
 }
 
+/// The paper's text controls "keep selection, budget, and the two-pass interface intact but replace
+/// each restored frame's pixels with text: the turn's verbatim recorded response, or an OCR
+/// transcription of the same screenshot". So the text rendering is the pixel rendering with each
+/// history image part, and nothing else, replaced by that step's text; the current screen stays an
+/// image. Checked on random allocations against `render` itself.
+#[test]
+fn text_slots_replace_each_restored_frame_and_nothing_else() {
+    let mut rng = fastrand::Rng::with_seed(0x7e47);
+    for _ in 0..300 {
+        let n = rng.usize(0..=12);
+        let mut steps = placeholder_steps(n);
+        for (i, s) in steps.iter_mut().enumerate() {
+            s.ocr = Some(format!("<ocr of x{}>", i + 1));
+        }
+        let allocation: Vec<usize> = (1..=n).filter(|_| rng.bool()).collect();
+        let current = Path::new("current");
+        let pixels = render(Protocol::Mobile, "<goal>", &steps, &allocation, current).unwrap();
+        for (restore, text) in [
+            (
+                RestoreAs::Response,
+                Box::new(|s: &StepRecord| s.response.clone()) as Box<dyn Fn(&StepRecord) -> String>,
+            ),
+            (RestoreAs::Ocr, Box::new(|s: &StepRecord| s.ocr.clone().unwrap())),
+        ] {
+            let texts =
+                render_with(Protocol::Mobile, "<goal>", &steps, &allocation, current, restore).unwrap();
+            assert_eq!(texts.len(), pixels.len());
+            let mut replaced = Vec::new();
+            for (a, b) in pixels.iter().zip(&texts) {
+                assert_eq!(a.role, b.role);
+                assert_eq!(a.content.len(), b.content.len());
+                for (x, y) in a.content.iter().zip(&b.content) {
+                    match x {
+                        ContentPart::Image(path) if path != "current" => {
+                            let s: usize = path.trim_start_matches('x').parse().unwrap();
+                            let expected = format!("Screenshot of Step{s}:\n{}", text(&steps[s - 1]));
+                            assert_eq!(y, &ContentPart::Text(expected), "{restore:?} {allocation:?}");
+                            replaced.push(s);
+                        }
+                        _ => assert_eq!(x, y, "{restore:?} {allocation:?}"),
+                    }
+                }
+            }
+            assert_eq!(replaced, allocation, "every restored frame, once, in order");
+        }
+        // The pixels rendering is `render` itself.
+        assert_eq!(
+            render_with(
+                Protocol::Mobile,
+                "<goal>",
+                &steps,
+                &allocation,
+                current,
+                RestoreAs::Pixels
+            )
+            .unwrap(),
+            pixels
+        );
+    }
+    // OCR needs a transcript of every restored screenshot: a missing one names the step and field.
+    let steps = placeholder_steps(4);
+    let err = render_with(
+        Protocol::Mobile,
+        "g",
+        &steps,
+        &[3],
+        Path::new("c"),
+        RestoreAs::Ocr,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("step 3 (steps[2].ocr)"), "{err}");
+}
+
+#[test]
+fn episode_ocr_transcripts_load_and_reach_the_decision() {
+    let dir = temp_episode(
+        r#"{"instruction": "Do it.", "platform": "mobile",
+            "steps": [{"screenshot": "a.png", "response": "r1", "ocr": "Settings Wi-Fi"},
+                      {"screenshot": "b.png", "response": "r2"}],
+            "final_screenshot": "b.png", "final_ocr": "Network"}"#,
+    );
+    let episode = Episode::load(dir.path()).unwrap();
+    assert_eq!(episode.steps[0].ocr.as_deref(), Some("Settings Wi-Fi"));
+    assert_eq!(episode.steps[1].ocr, None);
+    assert_eq!(episode.decision(1).unwrap().current_ocr, Some("Settings Wi-Fi"));
+    assert_eq!(episode.decision(2).unwrap().current_ocr, None);
+    assert_eq!(episode.decision(3).unwrap().current_ocr, Some("Network"));
+}
+
 #[test]
 fn invalid_allocations_are_errors() {
     let steps = placeholder_steps(5);
@@ -633,6 +725,16 @@ fn episode_errors_name_the_file_and_field() {
         (
             r#"{"instruction": "i", "platform": "mobile", "steps": [{"screenshot": "a.png", "response": "r", "action_line": 1}]}"#.into(),
             "steps[0].action_line",
+            "string",
+        ),
+        (
+            r#"{"instruction": "i", "platform": "mobile", "steps": [{"screenshot": "a.png", "response": "r", "ocr": ["x"]}]}"#.into(),
+            "steps[0].ocr",
+            "string",
+        ),
+        (
+            r#"{"instruction": "i", "platform": "mobile", "steps": [], "final_ocr": 7}"#.into(),
+            "final_ocr",
             "string",
         ),
         (

@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 
 use recall::memory::selector::{
     compose, compose_with, dedup_pool, features, recent_b, ActionBucket, ComposeOptions, DecisionContext,
-    EventInfo, FeatureContext, MarginalModel, MarginalScorer, Mode, FEATURE_NAMES, NUM_FEATURES,
+    EventIndexing, EventInfo, FeatureContext, MarginalModel, MarginalScorer, Mode, FEATURE_NAMES,
+    NUM_FEATURES,
 };
 use recall::Error;
 
@@ -231,6 +232,16 @@ fn assert_features(got: [f32; NUM_FEATURES], want: [f64; NUM_FEATURES]) {
     }
 }
 
+/// Features as the authors' MobileWorld deployment computes them (`mobileworld_selector_features.py`:
+/// `age = t − s`, `relative_position = s / (t − 1)`), the indexing the hand-computed values below use.
+fn mobile_features(
+    ctx: &DecisionContext,
+    candidate: usize,
+    set: &[usize],
+) -> recall::Result<[f32; NUM_FEATURES]> {
+    FeatureContext::with_indexing(ctx, EventIndexing::Mobile)?.features(candidate, set)
+}
+
 #[test]
 fn features_match_hand_computed_values() {
     let ctx = hand_ctx();
@@ -241,7 +252,7 @@ fn features_match_hand_computed_values() {
     // witness 1, witnesses in pool 2, #{pool witnesses > 7} = 0, scroll, hypot(170,160) = √54500,
     // multiplicity 1. Set: |S| 2, gaps {5, 2} → min 2, mean 3.5, age≤5 members {9} → 1, witnesses {2}
     // → 1, redundancy 1 (candidate is a witness), 7 < min(S)=2 no, no shared hash.
-    let f = features(&ctx, 7, &[2, 9]).unwrap();
+    let f = mobile_features(&ctx, 7, &[2, 9]).unwrap();
     assert_features(
         f,
         [
@@ -280,7 +291,7 @@ fn features_match_hand_computed_values() {
     // age 8, ln 8, rank = #{pool > 2} = 4, 2/9, only age≤9, pool 4, 9, witness 1, count 2,
     // #{pool witnesses > 2} = 2, click, hypot(30,40) = 50, multiplicity 1 (aliases count 1).
     // Set: 1, gap 3, mean 3, t-5 = 5 ≤ 5 → 1, 5 is a witness → 1, redundancy 1, 2 < 5 → 1, same hash → 1.
-    let f = features(&ctx, 2, &[5]).unwrap();
+    let f = mobile_features(&ctx, 2, &[5]).unwrap();
     assert_features(
         f,
         [
@@ -317,7 +328,7 @@ fn features_match_hand_computed_values() {
 
     // Candidate 5, S = ∅: age 5, ln 5, rank 2 (7, 9), 5/9, age≤5 and ≤9, witness, rank 1 (7), key,
     // hypot(370, 260) = √204500, multiplicity 2 (itself and step 2); empty-set slots.
-    let f = features(&ctx, 5, &[]).unwrap();
+    let f = mobile_features(&ctx, 5, &[]).unwrap();
     assert_features(
         f,
         [
@@ -355,7 +366,7 @@ fn features_match_hand_computed_values() {
     // Candidate 4 (not a witness, no point), S = {7, 9}: age 6, rank 3, 4/9, only ≤9, witness 0,
     // rank −1, type, distance −1, multiplicity 1. Set: gaps {3, 5} → 3, 4; both age ≤ 5 → 2;
     // witnesses {7} → 1; redundancy 0; 4 < 7 → 1; no shared hash.
-    let f = features(&ctx, 4, &[7, 9]).unwrap();
+    let f = mobile_features(&ctx, 4, &[7, 9]).unwrap();
     assert_features(
         f,
         [
@@ -394,6 +405,115 @@ fn features_match_hand_computed_values() {
     let mut no_ref = hand_ctx();
     no_ref.reference_point = None;
     assert_eq!(features(&no_ref, 7, &[]).unwrap()[18], -1.0);
+}
+
+/// The authors' desktop training features (luojiaxuan/CausalCache `selector_v4_features.py`): a
+/// history entry with `step_id` k carries the action taken from the post-action frame of event k − 1,
+/// so recall's step s (screen x_s, action a_s) is their event e = s − 1; `age = step − e`,
+/// `relative_position = e / max(step − 1, 1)`, `in_recent_1` is "window {step − 2}" (their comment),
+/// and `n_recent_in_set` counts members with `step − e ≤ 5`. Worked on `hand_ctx` (t = 10).
+#[test]
+fn desktop_indexing_counts_ages_as_the_authors_training_code() {
+    let ctx = hand_ctx();
+    let fc = FeatureContext::with_indexing(&ctx, EventIndexing::Desktop).unwrap();
+    // Candidate 7 = event 6, S = {2, 9} = events {1, 8}: age 4, ln 4, rank 1, 6/9, age ≤ 2 no, ≤ 3 no,
+    // ≤ 5 yes, ≤ 9 yes; the action-derived features as on mobile. Set: gaps {5, 2}, member ages {9, 2}
+    // → one within 5.
+    let f = fc.features(7, &[2, 9]).unwrap();
+    let m = mobile_features(&ctx, 7, &[2, 9]).unwrap();
+    let mut want: [f64; NUM_FEATURES] = m.map(f64::from);
+    want[..8].copy_from_slice(&[4.0, 4f64.ln(), 1.0, 6.0 / 9.0, 0.0, 0.0, 1.0, 1.0]);
+    want[23] = 1.0;
+    assert_features(f, want);
+    // Candidate 9 = event 8, the most recent step: age 2, so in_recent_1 (Recent-1 is {9}).
+    let f = fc.features(9, &[]).unwrap();
+    assert_eq!((f[0], f[3], f[4]), (2.0, 8.0 / 9.0, 1.0));
+    // Candidate 4 with S = {5, 7, 9}: member ages 6, 4, 2 → two within 5, the members among the last
+    // four completed steps 6..9; the mobile ages 5, 3, 1 count step 5 too.
+    assert_eq!(fc.features(4, &[5, 7, 9]).unwrap()[23], 2.0);
+    assert_eq!(mobile_features(&ctx, 4, &[5, 7, 9]).unwrap()[23], 3.0);
+}
+
+/// Under the desktop indexing `in_recent_B` is membership in Recent-B (the paper's "Recent-B, the B
+/// most recent distinct events"; every completed step is an event here) and `n_recent_in_set` counts
+/// the members of `S` in Recent-4, on every decision; the mobile indexing flags one step more.
+#[test]
+fn desktop_in_recent_b_is_recent_b_membership() {
+    let mut rng = fastrand::Rng::with_seed(28);
+    let mut mobile_differs = false;
+    for _ in 0..200 {
+        let t = rng.usize(2..40);
+        let ctx = linear_ctx(t);
+        let fc = FeatureContext::with_indexing(&ctx, EventIndexing::Desktop).unwrap();
+        let mfc = FeatureContext::with_indexing(&ctx, EventIndexing::Mobile).unwrap();
+        let set: Vec<usize> = (1..t).filter(|_| rng.bool()).collect();
+        let recent4 = recent_b(&ctx, 4);
+        for s in 1..t {
+            let f = fc.features(s, &set).unwrap();
+            for (k, b) in [(4, 1), (5, 2), (6, 4), (7, 8)] {
+                let member = recent_b(&ctx, b).contains(&s);
+                assert_eq!(f[k] == 1.0, member, "t={t} s={s} B={b}");
+                mobile_differs |= (mfc.features(s, &set).unwrap()[k] == 1.0) != member;
+            }
+            if !set.is_empty() {
+                let n = set.iter().filter(|m| recent4.contains(m)).count();
+                assert_eq!(f[23], n as f32, "t={t} s={s} S={set:?}");
+            }
+        }
+    }
+    assert!(
+        mobile_differs,
+        "the mobile indexing flags step t - B - 1 as recent"
+    );
+}
+
+/// The authors' bundle, converted (tools/convert_selector_pt.py), records the desktop indexing it was
+/// trained with, and the selector policy composes with it; a file without the record (written before
+/// recall kept it) keeps the `t − s` it was served with.
+#[test]
+fn a_converted_bundle_is_served_with_desktop_indexing() {
+    use recall::agent::causalcache::{make_policy, PolicyChoice};
+    use recall::memory::policy::PolicyInputs;
+    let converted = MarginalScorer::load(&fixture("converted.safetensors")).unwrap();
+    assert_eq!(converted.indexing(), EventIndexing::Desktop);
+    let legacy = MarginalScorer::load(&fixture("scorer.safetensors")).unwrap();
+    assert_eq!(legacy.indexing(), EventIndexing::Mobile);
+    let choice = |indexing| PolicyChoice {
+        name: "selector".into(),
+        selector: Some(fixture("converted.safetensors")),
+        mode: Mode::Paper,
+        max_replacements: None,
+        seed: 0,
+        indexing,
+    };
+    let mut rng = fastrand::Rng::with_seed(7);
+    let mut differs = 0;
+    for _ in 0..100 {
+        let ctx = random_ctx(&mut rng, 30, 12);
+        let b = rng.usize(1..5);
+        let with = |indexing| {
+            let options = ComposeOptions {
+                indexing,
+                ..ComposeOptions::new(Mode::Paper)
+            };
+            compose_with(&ctx, b, &converted, &options).unwrap().steps
+        };
+        let served = make_policy(&choice(None))
+            .unwrap()
+            .allocate(&ctx, b, &PolicyInputs::default())
+            .unwrap();
+        assert_eq!(served, with(EventIndexing::Desktop));
+        let forced = make_policy(&choice(Some(EventIndexing::Mobile)))
+            .unwrap()
+            .allocate(&ctx, b, &PolicyInputs::default())
+            .unwrap();
+        assert_eq!(forced, with(EventIndexing::Mobile));
+        differs += usize::from(served != forced);
+    }
+    assert!(
+        differs > 0,
+        "the indexing changed no allocation of the converted bundle"
+    );
 }
 
 #[test]
@@ -450,8 +570,9 @@ fn paper_mode_declining_every_swap_returns_recent_b() {
             // Every marginal equal: a swap needs a strict win, so none happens.
             let flat = |_: &[f32; 28]| 0.25f32;
             // The learned MLP with every event older than the window pushed 1e6 below (a forced
-            // readout bias): no older event can beat a recent one.
-            let forced = |f: &[f32; 28]| scorer.score(f) - if f[0] <= b as f32 { 0.0 } else { 1e6 };
+            // readout bias): no older event can beat a recent one. (Desktop ages: Recent-B is
+            // age ≤ B + 1.)
+            let forced = |f: &[f32; 28]| scorer.score(f) - if f[0] <= b as f32 + 1.0 { 0.0 } else { 1e6 };
             for (name, a) in [
                 (
                     "prefers_recent",

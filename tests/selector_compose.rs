@@ -13,11 +13,41 @@ use std::path::Path;
 use rand_chacha::rand_core::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use recall::memory::selector::{
-    compose, compose_with, dedup_pool, recent_b, ActionBucket, Allocation, ComposeOptions, DecisionContext,
-    EventInfo, FeatureContext, MarginalModel, MarginalScorer, Mode, Negated, ScorerParams, NUM_FEATURES,
+    compose_with, dedup_pool, recent_b, ActionBucket, Allocation, ComposeOptions, DecisionContext,
+    EventIndexing, EventInfo, FeatureContext, MarginalModel, MarginalScorer, Mode, Negated, ScorerParams,
+    NUM_FEATURES,
 };
 
 const MODES: [Mode; 3] = [Mode::Paper, Mode::Greedy, Mode::Reference];
+
+/// The hand models below read ages as `t − s` (the mobile indexing); composition does not depend on
+/// how ages are counted, so every call here counts them that way.
+const INDEXING: EventIndexing = EventIndexing::Mobile;
+
+fn options(mode: Mode) -> ComposeOptions {
+    ComposeOptions {
+        indexing: INDEXING,
+        ..ComposeOptions::new(mode)
+    }
+}
+
+fn compose<M: MarginalModel + ?Sized>(
+    ctx: &DecisionContext,
+    budget: usize,
+    model: &M,
+    mode: Mode,
+    max_replacements: Option<usize>,
+) -> recall::Result<Allocation> {
+    let options = ComposeOptions {
+        max_replacements,
+        ..options(mode)
+    };
+    compose_with(ctx, budget, model, &options)
+}
+
+fn feature_context(ctx: &DecisionContext) -> FeatureContext<'_> {
+    FeatureContext::with_indexing(ctx, INDEXING).unwrap()
+}
 
 struct Rng(ChaCha8Rng);
 
@@ -150,7 +180,7 @@ fn paper_wide(max_replacements: Option<usize>) -> ComposeOptions {
     ComposeOptions {
         max_replacements,
         beam_width: 1 << 20,
-        ..ComposeOptions::new(Mode::Paper)
+        ..options(Mode::Paper)
     }
 }
 
@@ -189,7 +219,7 @@ fn brute_force<M: MarginalModel + ?Sized>(
     r: usize,
     m: &M,
 ) -> (f64, Vec<Vec<usize>>) {
-    let fc = FeatureContext::new(ctx).unwrap();
+    let fc = feature_context(ctx);
     let recent = top_steps(ctx, b);
     let pool = dedup_pool(ctx).unwrap();
     let mut best: HashMap<Vec<usize>, f64> = HashMap::new();
@@ -239,7 +269,7 @@ fn brute_force<M: MarginalModel + ?Sized>(
 /// Replays `a.swaps` from Recent-B: every swap is admissible with the recorded marginals, the set
 /// and score follow, and `k` is the number of swaps.
 fn check_path<M: MarginalModel + ?Sized>(ctx: &DecisionContext, b: usize, m: &M, a: &Allocation) {
-    let fc = FeatureContext::new(ctx).unwrap();
+    let fc = feature_context(ctx);
     let recent = top_steps(ctx, b);
     assert_eq!(a.recent, recent);
     let mut set = recent.clone();
@@ -417,7 +447,7 @@ fn plain_paper<M: MarginalModel + ?Sized>(
     if b == 0 || ctx.events.len() <= b {
         return (recent, 0.0, Vec::new());
     }
-    let fc = FeatureContext::new(ctx).unwrap();
+    let fc = feature_context(ctx);
     let pool = dedup_pool(ctx).unwrap();
     // (set, score, path, generation index)
     type Node = (Vec<usize>, f64, Vec<(usize, usize)>, usize);
@@ -483,7 +513,7 @@ fn narrow_paper_beam_follows_its_documented_tie_breaks() {
                     let options = ComposeOptions {
                         max_replacements: Some(cap),
                         beam_width: width,
-                        ..ComposeOptions::new(Mode::Paper)
+                        ..options(Mode::Paper)
                     };
                     let a = compose_with(&ctx, b, m, &options).unwrap();
                     let (steps, score, path) = plain_paper(&ctx, b, m, width, cap);
@@ -582,7 +612,7 @@ fn old_greedy<M: MarginalModel + ?Sized>(
         return (recent, Vec::new());
     }
     let low = |x: f32| if x.is_nan() { f32::NEG_INFINITY } else { x };
-    let fc = FeatureContext::new(ctx).unwrap();
+    let fc = feature_context(ctx);
     let challengers: Vec<usize> = fc
         .pool()
         .iter()
@@ -744,7 +774,7 @@ fn nan_marginals_never_enter() {
             }
         };
         for mode in [Mode::Paper, Mode::Greedy] {
-            for options in [ComposeOptions::new(mode), paper_wide(None)] {
+            for options in [options(mode), paper_wide(None)] {
                 let options = ComposeOptions { mode, ..options };
                 let a = compose_with(&ctx, b, &holes, &options).unwrap();
                 assert_eq!(a.steps.len(), b.min(ctx.events.len()));

@@ -5,8 +5,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use recall::agent::labels::read_labels;
-use recall::memory::selector::{MarginalModel, MarginalScorer, NUM_FEATURES};
-use recall::memory::selector_train::{objective, train, Batch, Mlp, TrainConfig, PARAM_NAMES};
+use recall::memory::selector::{EventIndexing, MarginalModel, MarginalScorer, FEATURE_NAMES, NUM_FEATURES};
+use recall::memory::selector_train::{
+    objective, train, Batch, Mlp, TrainConfig, PARAM_NAMES, RECENCY_FEATURES,
+};
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -119,6 +121,116 @@ fn the_trained_selector_ranks_held_out_episodes_of_a_known_scorer() {
     loaded.score_batch(&rows, &mut a);
     direct.score_batch(&rows, &mut b);
     assert_eq!(a, b);
+}
+
+/// The paper's "retraining without the recency-membership features" control: the masked features
+/// are held at 0 in training and cut from the file, so no value of them moves a score; the file
+/// records the mask and the event indexing the features were counted with.
+#[test]
+fn masked_features_cannot_move_the_trained_scorer() {
+    let set = read_labels(&[fixture("selector-train/synthetic.jsonl")], false).unwrap();
+    let masked: Vec<String> = RECENCY_FEATURES.iter().map(|s| s.to_string()).collect();
+    let cfg = TrainConfig {
+        hidden: 16,
+        epochs: 3,
+        masked: masked.clone(),
+        indexing: EventIndexing::Mobile,
+        ..TrainConfig::default()
+    };
+    let trained = train(&set.decisions, &cfg, |_, _| {}).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("scorer.safetensors");
+    trained.save(&path, &Default::default()).unwrap();
+    let loaded = MarginalScorer::load(&path).unwrap();
+    assert_eq!(loaded.indexing(), EventIndexing::Mobile);
+    let meta = recall::checkpoint::Checkpoint::open_file(&path).unwrap().metadata;
+    assert_eq!(meta["feature_mask"], masked.join(","));
+    assert_eq!(meta["event_indexing"], "mobile");
+    let idx: Vec<usize> = masked
+        .iter()
+        .map(|m| FEATURE_NAMES.iter().position(|f| f == m).unwrap())
+        .collect();
+    let mut rng = fastrand::Rng::with_seed(3);
+    for _ in 0..200 {
+        let row: [f32; NUM_FEATURES] = std::array::from_fn(|_| rng.f32() * 20.0 - 5.0);
+        let mut moved = row;
+        idx.iter().for_each(|&k| moved[k] = rng.f32() * 100.0 - 50.0);
+        assert_eq!(loaded.score(&row).to_bits(), loaded.score(&moved).to_bits());
+    }
+    // An unmasked feature does move it (the check above can fail).
+    let base = [1.0f32; NUM_FEATURES];
+    let mut aged = base;
+    aged[0] = 30.0;
+    assert_ne!(loaded.score(&base), loaded.score(&aged));
+
+    let bad = TrainConfig {
+        masked: vec!["in_recent_3".into()],
+        ..cfg
+    };
+    let err = train(&set.decisions, &bad, |_, _| {}).unwrap_err().to_string();
+    assert!(
+        err.contains("in_recent_3") && err.contains("in_recent_4"),
+        "{err}"
+    );
+}
+
+/// The states paper composition visits, against the labels' (issue 28, item 5). The paper: "a small
+/// beam search initialized at Recent-B: a distant event enters only by beating the predicted
+/// marginal of the recent realization it evicts", so its first round asks, for every recent `e`,
+/// `Δ̂(e | Recent-B ∖ {e})` and `Δ̂(o | Recent-B ∖ {e})` for every older pool event `o`. Worked at
+/// t = 6, events 1..5, labels as the default teacher gives them for these sets: `∅`, every singleton
+/// and the Recent-2 anchor {4, 5}; a model that prefers recent events declines every swap.
+/// * B = 1 (Recent-1 = {5}): rows `(o, ∅)` for o = 1..4 and `(5, ∅)`: all five have `Q(∅)` and
+///   `Q({j})` labelled.
+/// * B = 2: evicting 4 gives rows `(1|{5}) (2|{5}) (3|{5}) (4|{5})`, evicting 5 gives
+///   `(1|{4}) (2|{4}) (3|{4}) (5|{4})`: only `(4|{5})` and `(5|{4})` have `Q(S)` and `Q(S ∪ {j})`
+///   labelled, six of eight are off the labelled states.
+/// * B = 3, 4: no Recent-B anchor is labelled, no case.
+#[test]
+fn composition_queries_off_the_labelled_states_are_counted() {
+    use recall::memory::selector::{
+        compose_logged, ActionBucket, ComposeOptions, DecisionContext, EventInfo, Mode,
+    };
+    use recall::memory::selector_train::{compare_with_recent, ComposeOutcome, LabelledDecision};
+    let ev = |step: usize| EventInfo {
+        step,
+        image_hash: step as u64,
+        next_bucket: ActionBucket::Click,
+        next_point: None,
+        witness: false,
+    };
+    let context = DecisionContext {
+        t: 6,
+        reference_point: None,
+        events: (1..6).map(ev).collect(),
+    };
+    let mut utilities = vec![(vec![], -2.0), (vec![4, 5], -1.0)];
+    utilities.extend((1..6).map(|s| (vec![s], -1.5)));
+    let prefers_recent = |f: &[f32; NUM_FEATURES]| -f[0];
+    let options = ComposeOptions::new(Mode::Paper);
+    let (a, queries) = compose_logged(&context, 2, &prefers_recent, &options).unwrap();
+    assert_eq!(a.steps, vec![4, 5]);
+    let want: Vec<(usize, Vec<usize>)> = vec![
+        (1, vec![5]),
+        (2, vec![5]),
+        (3, vec![5]),
+        (4, vec![5]),
+        (1, vec![4]),
+        (2, vec![4]),
+        (3, vec![4]),
+        (5, vec![4]),
+    ];
+    assert_eq!(queries, want);
+
+    let d = LabelledDecision {
+        episode: "e".into(),
+        context,
+        utilities,
+    };
+    let mut out = ComposeOutcome::default();
+    compare_with_recent(&d, &prefers_recent, EventIndexing::Desktop, &mut out);
+    assert_eq!((out.cases, out.kept_recent), (2, 2));
+    assert_eq!((out.queries, out.off_label_queries), (13, 6));
 }
 
 /// The same labels and seed give the same bytes; another seed gives another file.

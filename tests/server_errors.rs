@@ -461,6 +461,26 @@ async fn every_bad_request_gets_a_4xx_naming_the_problem() {
         Case {
             path: "/v1/episodes".into(),
             ..case(
+                "the OCR policy, which needs transcripts the API does not carry",
+                json!({"instruction": "x", "policy": "ocr"}),
+                400,
+                "needs OCR transcripts",
+                Some("policy"),
+            )
+        },
+        Case {
+            path: "/v1/episodes".into(),
+            ..case(
+                "an unknown stop rule",
+                json!({"instruction": "x", "stop_rule": "eos"}),
+                400,
+                "expected `tool-call`",
+                Some("stop_rule"),
+            )
+        },
+        Case {
+            path: "/v1/episodes".into(),
+            ..case(
                 "a selector policy without --selector",
                 json!({"instruction": "x", "policy": "selector"}),
                 400,

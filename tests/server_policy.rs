@@ -162,6 +162,7 @@ async fn with_a_selector_and_every_screenshot_the_server_chooses_as_two_pass_ste
         mode: Mode::Paper,
         max_replacements: None,
         seed: 0,
+        indexing: None,
     };
     let mut swapped = 0;
     for t in [5, 8, 11] {

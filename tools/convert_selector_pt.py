@@ -18,6 +18,12 @@ Accepted inputs (checked in this order):
 3. A bare state dict of an `nn.Sequential` (`0.weight`, `2.weight`, `4.weight` and biases, optionally
    under a prefix) with `feature_mean`/`feature_std` (or `mean`/`std`) buffers; `fc1/fc2/fc3` names
    are accepted too.
+
+The scorer records `event_indexing` (`--event-indexing`, default `desktop`): the authors train their
+selectors on desktop features (`selector_v4_features.py`: a recall step s is their event s - 1, so
+age = t - s + 1 and in_recent_B is exactly Recent-B), and recall serves the bundle with the indexing it
+was trained with. `mobile` (age = t - s) reproduces their MobileWorld deployment code, which feeds the
+same bundle ages one smaller.
 """
 
 import argparse
@@ -86,7 +92,7 @@ def load(src):
     return state, torch.as_tensor(mean, dtype=torch.float64), torch.as_tensor(std, dtype=torch.float64), info
 
 
-def convert(src, dst):
+def convert(src, dst, indexing="desktop"):
     state, mean, std, info = load(src)
     if int(info.get("intent_dims") or 0):
         fail(f"{src}: bundle has {info['intent_dims']} intent features; recall computes only the 28 cheap+set features")
@@ -122,6 +128,7 @@ def convert(src, dst):
         "feature_names": ",".join(FEATURE_NAMES),
         "source_layout": info["layout"],
         "source_prefix": prefix,
+        "event_indexing": indexing,
     })
     return h, info["layout"]
 
@@ -130,6 +137,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("src")
     ap.add_argument("dst")
+    ap.add_argument("--event-indexing", choices=["desktop", "mobile"], default="desktop",
+                    help="how the bundle's training features counted ages [desktop: the authors' trainer]")
     args = ap.parse_args()
-    h, layout = convert(args.src, args.dst)
+    h, layout = convert(args.src, args.dst, args.event_indexing)
     print(f"{args.dst}: hidden {h}, from {layout}", file=sys.stderr)

@@ -12,21 +12,28 @@ hooks return the projection output unchanged). This is the mask recall computes 
 `--adapter-mode ungated` trains the paper's control instead (same layers, every token).
 
 Replacement groups (mined from `recall episode label` files, docs/FORMATS.md "Utility labels"). For each
-decision t of an episode and each budget B in --budgets (B >= 1), with the event pool P = the steps of
-t's singleton labels (recall's eligible pool) in order:
+decision t of an episode and each budget B in --budgets (B >= 1), with the event pool P = the eligible
+steps of t in order and Recent-B = the last B steps of P (arm R; recall's pool ends at t - 1, so it is
+steps t-B .. t-1):
 
-    Recent-B  = the last B steps of P                       (arm R)
-    older     = P minus Recent-B (events strictly older than the recent window)
-    relevant  = j+ = the older event with the highest singleton utility Q({j})
-    wrong     = j- = the older event with the lowest singleton utility
-    S         = Recent-(B-1) + {j+}: the oldest recent slot replaced by the relevant frame
-    W         = Recent-(B-1) + {j-}: the same slot, the wrong frame
+    S = Recent-(B-1) + {j+}: the oldest recent slot replaced by the relevant frame
+    W = Recent-(B-1) + {j-}: the same slot, the wrong frame
 
-A decision yields a group for B only when |older| >= 2 and Q({j+}) - Q({j-}) > --min-gap (ties are
-skipped). Ties in the ranking break towards the more recent step. This approximates the paper's mining
-(relevant frame: target-specific archived screenshot older than the window; wrong frame: an age-matched
-screenshot whose following action is not equivalent to the target) with recall's own utility labels.
-Every label kind but `singleton` (and `recent`, used as a consistency check) is ignored.
+`--groups paper` (default; the paper's rule, "Per-B Fidelity-Restoration Supervision"), from the
+`decision` lines' `context.events[].witness` (the action taken at that step is equivalent to the recorded
+action at t):
+
+    j+ = a witness step strictly older than the whole window: age t - s >= B + 1 (the paper's "age >= B+2"
+         counts t - (s - 1), as the authors' desktop code does); one of several by a seeded choice
+    j- = a non-witness step as old, nearest in age to j+ (two at equal distance: a seeded choice)
+
+No eligible witness, or no non-witness as old, gives no group. The seeded choices (the authors pick the
+same way; the paper does not say) hash --seed, the episode directory's name and t.
+
+`--groups utility` (recall's earlier rule, an option): j+ / j- = the older step with the highest / lowest
+frozen singleton utility Q({j}); a group needs two older steps and Q({j+}) - Q({j-}) > --min-gap (ties
+give none; ranking ties break towards the more recent step). Label kinds other than `decision`,
+`singleton` and `recent` (a consistency check of Recent-B) are ignored.
 
 Objective (REFERENCE_NOTES "HGKV"). l = mean teacher-forced log-prob per token of the recorded response
 r_t; suffix 0 = adapter off (frozen, computed once), A = adapter on:
@@ -35,23 +42,29 @@ r_t; suffix 0 = adapter off (frozen, computed once), A = adapter on:
     L   = [m - (A_c - A_r)]+ + [m - A_c]+ + [m - (A_c - A_n)]+ + 2 ([|A_r| - 0.02]+ + [|A_n| - 0.02]+)
           + 1e-4 ||theta||^2,                                      m = 0.01
 
-averaged over the groups of a batch (the L2 term once per step); AdamW without weight decay. With
---low-memory (default on CUDA) each adapter-on arm is first scored without a graph, then re-run with one
-and back-propagated with its scalar coefficient dL/dl, so one arm's activations are alive at a time. In
-gated mode the K/V of the text the three arms share before their first image is frozen, so it is
-computed once per group (--prefix-cache). On CPU a run is deterministic given --seed and --threads.
+averaged over the groups of a batch (the L2 term once per step); AdamW without weight decay. The two DiD
+hinges are unchanged by a uniform shift of the adapter-on arms; [m - A_c]+ is not (the shift moves A_c),
+so the objective rewards a uniform lift up to m inside the drift cap (the paper's objective, as the
+authors train it). With --low-memory (default on CUDA) each adapter-on arm is first scored without a
+graph, then re-run with one and back-propagated with its scalar coefficient dL/dl, so one arm's
+activations are alive at a time. In gated mode the K/V of the text the three arms share before their
+first image is frozen, so it is computed once per group (--prefix-cache). On CPU a run is deterministic
+given --seed and --threads.
 
-Selection (the paper's pre-specified gates, on a development split: by episode when several episodes
-are given, trajectory-disjoint; by decision otherwise). Every --eval-every steps the dev groups are
-scored; a checkpoint passes when the mean DiD select (A_c - A_r) is > 0, its percentile bootstrap 95%
-lower bound (--bootstrap resamples over groups) is > 0, and the mean |A_r| and mean |A_n| are < eps
-(--gate-eps, 0.02). The passing checkpoint with the largest DiD select is exported; when none passes the
-last one is, with a warning.
+Selection (the paper's pre-specified gates, per budget, on a development split: by episode when several
+episodes are given, trajectory-disjoint; by decision otherwise). Every --eval-every steps the dev groups
+are scored and, for each budget B with groups, B's gate passes when its mean DiD select (A_c - A_r) is
+> 0, its percentile bootstrap 95% lower bound is > 0, and its mean |A_r| and mean |A_n| are < eps
+(--gate-eps, 0.02); a budget with no dev groups fails. A checkpoint passes when every budget does. The
+bootstrap (--bootstrap resamples) draws whole units, --bootstrap-unit: episodes (default; decisions when
+the dev split has one episode) or decisions, so a decision's groups are never split. Of the passing
+checkpoints the one with the largest pooled DiD select (all dev groups) is exported, ties to the earlier
+step; when none passes the last one is, with a warning.
 
 Outputs in --out: adapter_config.json + adapter_model.safetensors (PEFT names
 `base_model.model.<module>.lora_{A,B}.weight`; `recall --adapter OUT` and `PeftModel.from_pretrained`
-load it), and hgkv_report.json (arguments, groups, per-step losses, dev evaluations, selection, the
-exported checkpoint's per-group arms on the train and dev splits).
+load it), and hgkv_report.json (arguments, groups, per-step losses, dev evaluations with each budget's
+gate, selection, the exported checkpoint's per-group arms on the train and dev splits).
 
     recall episode label --model M --episode E --budgets 1,2,4 --out L.jsonl
     .venv-tools/bin/python tools/hgkv_train.py --model M --episodes E --labels L.jsonl \\
@@ -66,6 +79,7 @@ import argparse
 import contextlib
 import copy
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -133,8 +147,8 @@ class Group:
     recent: tuple
     relevant: int
     wrong: int
-    q_relevant: float
-    q_wrong: float
+    q_relevant: float | None  # the singleton utilities, when labelled
+    q_wrong: float | None
     q_recent: float | None = None  # the labels' Recent-B anchor, when present
 
     def allocation(self, arm: str) -> tuple:
@@ -197,8 +211,57 @@ def read_labels(path: str) -> tuple:
     return singles, recents, made_with or {}, (episodes.pop() if episodes else None)
 
 
-def mine_groups(episode: str, singles: dict, recents: dict, budgets, min_gap: float = 0.0) -> list:
-    """Replacement groups of one episode (the rule of the module docstring)."""
+def read_events(path: str) -> dict:
+    """The `decision` lines of a label file as {t: {step: witness}} (docs/FORMATS.md "Utility labels":
+    `context.events[]` with `step` and `witness`, the paper's "following action equivalent to a*_t").
+    Errors name the missing field: the paper's mining cannot run without it."""
+    events = {}
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                rec = json.loads(line) if line.strip() else None
+            except json.JSONDecodeError as e:
+                raise TrainError(f"{path}:{n}: not JSON ({e})") from None
+            if not isinstance(rec, dict) or rec.get("kind") != "decision":
+                continue
+            if type(rec.get("t")) is not int:
+                raise TrainError(f"{path}:{n}: a decision line without an integer `t`")
+            events[rec["t"]] = decision_events(rec, f"{path}:{n}")
+    if not events:
+        raise TrainError(f"label file {path}: no `decision` lines (field `context.events[].witness`), which "
+                         "--groups paper needs; re-label with a current `recall episode label`, or pass "
+                         "--groups utility")
+    return events
+
+
+def decision_events(rec: dict, where: str) -> dict:
+    """{step: witness} of one decision line, checking each field the paper's rule reads."""
+    ctx = rec.get("context")
+    if not isinstance(ctx, dict) or not isinstance(ctx.get("events"), list):
+        raise TrainError(f"{where}: a decision line without `context.events` (--groups paper needs each "
+                         "eligible step's `witness` flag)")
+    out = {}
+    for i, e in enumerate(ctx["events"]):
+        for field, kind in (("step", int), ("witness", bool)):
+            if not isinstance(e, dict) or type(e.get(field)) is not kind:
+                raise TrainError(f"{where}: `context.events[{i}].{field}` is missing or not "
+                                 f"{'an integer' if kind is int else 'a boolean'}")
+        out[e["step"]] = e["witness"]
+    return out
+
+
+def check_anchor(episode: str, t: int, b: int, recent: tuple, recents: dict, pool: list) -> float | None:
+    """The labels' Recent-B anchor score; an anchor that is not the tail of the pool is an error."""
+    anchor = [s for s in recents.get(t, {}) if len(s) == b]
+    if anchor and anchor[0] != recent:
+        raise TrainError(f"{episode}: decision {t}: the labels' Recent-{b} anchor {list(anchor[0])} is "
+                         f"not the last {b} steps of the pool {pool}")
+    return recents.get(t, {}).get(recent)
+
+
+def mine_utility_groups(episode: str, singles: dict, recents: dict, budgets, min_gap: float = 0.0) -> list:
+    """`--groups utility` (recall's earlier rule, an option): j+ / j- = the older events with the highest /
+    lowest frozen singleton utility; needs two older events and a gap above min_gap."""
     groups = []
     for t in sorted(singles):
         q = singles[t]
@@ -207,15 +270,55 @@ def mine_groups(episode: str, singles: dict, recents: dict, budgets, min_gap: fl
             if b < 1 or len(pool) < b + 2:
                 continue
             recent, older = tuple(pool[-b:]), pool[:-b]
-            anchor = [s for s in recents.get(t, {}) if len(s) == b]
-            if anchor and anchor[0] != recent:
-                raise TrainError(f"{episode}: decision {t}: the labels' Recent-{b} anchor {list(anchor[0])} is "
-                                 f"not the last {b} steps of the singleton pool {pool}")
+            q_recent = check_anchor(episode, t, b, recent, recents, pool)
             ranked = sorted(older, key=lambda j: (-q[j], -j))
             best, worst = ranked[0], ranked[-1]
             if q[best] - q[worst] <= min_gap:
                 continue
-            groups.append(Group(episode, t, b, recent, best, worst, q[best], q[worst], recents.get(t, {}).get(recent)))
+            groups.append(Group(episode, t, b, recent, best, worst, q[best], q[worst], q_recent))
+    return groups
+
+
+def stable_pick(options: list, key: str, seed: int):
+    """A uniform choice among `options` that depends only on (seed, key), so a rerun, another machine or
+    another budget list picks the same frame (the authors pick ties this way, seeded by the decision)."""
+    h = int.from_bytes(hashlib.sha256(f"{seed}/{key}".encode("utf-8")).digest()[:8], "big")
+    return options[h % len(options)]
+
+
+def paper_pair(t: int, b: int, witness: dict, recent: tuple, key: str, seed: int) -> tuple | None:
+    """(j+, j-) of decision t at budget b by the paper's rule, or None when it gives no group.
+
+    j+: a witness step strictly older than the whole Recent-B window (recall age t - s >= B + 1, the
+    authors' age >= B + 2); one of several is picked by `stable_pick`. j-: a non-witness step as old,
+    nearest in age to j+ (a tie between the two neighbours at equal distance picked by `stable_pick`)."""
+    older = [s for s in sorted(witness) if t - s >= b + 1 and s < recent[0]]
+    positives = [s for s in older if witness[s]]
+    negatives = [s for s in older if not witness[s]]
+    if not positives or not negatives:
+        return None
+    plus = stable_pick(positives, f"{key}:{t}:relevant", seed)
+    gap = min(abs(s - plus) for s in negatives)
+    minus = stable_pick([s for s in negatives if abs(s - plus) == gap], f"{key}:{t}:wrong", seed)
+    return plus, minus
+
+
+def mine_paper_groups(episode: str, events: dict, singles: dict, recents: dict, budgets, seed: int = 0) -> list:
+    """`--groups paper` (the default): the paper's relevant / wrong restores (module docstring).
+    `events` is read_events' {t: {step: witness}}; singleton utilities, when labelled, ride along."""
+    groups, key = [], os.path.basename(os.path.normpath(episode))
+    for t in sorted(events):
+        pool = sorted(events[t])
+        for b in budgets:
+            if b < 1 or len(pool) < b + 1:
+                continue
+            recent = tuple(pool[-b:])
+            q_recent = check_anchor(episode, t, b, recent, recents, pool)
+            pair = paper_pair(t, b, events[t], recent, key, seed)
+            if pair is None:
+                continue
+            q = singles.get(t, {})
+            groups.append(Group(episode, t, b, recent, pair[0], pair[1], q.get(pair[0]), q.get(pair[1]), q_recent))
     return groups
 
 
@@ -620,7 +723,7 @@ def label_check(scorer: Scorer, groups: list) -> float | None:
         if g.q_recent is not None:
             diffs.append(abs(off["R0"] - g.q_recent))
         if g.budget == 1:
-            diffs += [abs(off["S0"] - g.q_relevant), abs(off["W0"] - g.q_wrong)]
+            diffs += [abs(off[arm] - q) for arm, q in (("S0", g.q_relevant), ("W0", g.q_wrong)) if q is not None]
     return max(diffs, default=None)
 
 
@@ -634,26 +737,50 @@ def evaluate(scorer: Scorer, groups: list, cfg) -> list:
     return rows
 
 
-def bootstrap_ci(values: list, n: int, seed: int, level: float = 0.95) -> tuple:
-    """Percentile bootstrap interval of the mean."""
+def cluster_bootstrap_means(values: list, clusters: list, n: int, seed: int) -> torch.Tensor:
+    """`n` bootstrap means of `values`, resampling whole clusters (`clusters[i]` is the unit of
+    `values[i]`) with replacement: each resample draws as many clusters as there are and averages every
+    value of every drawn cluster, so values of one cluster (the groups of one decision) move together."""
+    ids = {c: i for i, c in enumerate(dict.fromkeys(clusters))}
+    unit = torch.tensor([ids[c] for c in clusters])
+    v = torch.tensor(values, dtype=torch.float64)
+    sums = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, unit, v)
+    counts = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, unit, torch.ones_like(v))
+    draw = torch.randint(len(ids), (n, len(ids)), generator=torch.Generator().manual_seed(seed))
+    return sums[draw].sum(1) / counts[draw].sum(1)
+
+
+def bootstrap_ci(values: list, n: int, seed: int, level: float = 0.95, clusters: list | None = None) -> tuple:
+    """Percentile bootstrap interval of the mean; `clusters` (default: every value its own) are the
+    resampling units. One unit gives the point estimate twice: there is nothing to resample."""
     if not values:
         return float("nan"), float("nan")
-    v = torch.tensor(values, dtype=torch.float64)
-    if n <= 0 or len(values) == 1:
-        return v.mean().item(), v.mean().item()
-    idx = torch.randint(len(values), (n, len(values)), generator=torch.Generator().manual_seed(seed))
-    means = v[idx].mean(1)
+    clusters = list(range(len(values))) if clusters is None else clusters
+    mean = torch.tensor(values, dtype=torch.float64).mean().item()
+    if n <= 0 or len(set(clusters)) == 1:
+        return mean, mean
+    means = cluster_bootstrap_means(values, clusters, n, seed)
     lo, hi = torch.quantile(means, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64))
     return lo.item(), hi.item()
 
 
-def gate_summary(rows: list, n_boot: int, seed: int, eps: float) -> dict:
-    """The paper's gates on scored groups: DiD select > 0 with a positive bootstrap lower bound,
-    mean |A_r| < eps, mean |A_n| < eps."""
+def bootstrap_unit(row: dict, unit: str):
+    """The resampling unit of a scored group: its episode or its decision (episode, t)."""
+    if unit == "episode":
+        return row["episode"]
+    if unit == "decision":
+        return (row["episode"], row["t"])
+    raise TrainError(f"bootstrap unit {unit!r} (expected episode or decision)")
+
+
+def gate_summary(rows: list, n_boot: int, seed: int, eps: float, unit: str | None = None) -> dict:
+    """The paper's gates on one set of scored groups: DiD select > 0 with a positive bootstrap lower
+    bound (resampling `unit`s, see bootstrap_unit; None: single groups), mean |A_r| < eps, mean |A_n| < eps."""
     if not rows:
         return {"groups": 0, "pass": False}
     did = [r["did"] for r in rows]
-    lo, hi = bootstrap_ci(did, n_boot, seed)
+    clusters = None if unit is None else [bootstrap_unit(r, unit) for r in rows]
+    lo, hi = bootstrap_ci(did, n_boot, seed, clusters=clusters)
     s = {"groups": len(rows), "did_select": sum(did) / len(did), "did_ci95": [lo, hi],
          "abs_A_r": sum(abs(r["A_r"]) for r in rows) / len(rows),
          "abs_A_n": sum(abs(r["A_n"]) for r in rows) / len(rows),
@@ -663,6 +790,37 @@ def gate_summary(rows: list, n_boot: int, seed: int, eps: float) -> dict:
                   "abs_A_r_below_eps": s["abs_A_r"] < eps, "abs_A_n_below_eps": s["abs_A_n"] < eps}
     s["pass"] = all(s["gates"].values())
     return s
+
+
+def budget_gates(rows: list, budgets, n_boot: int, seed: int, eps: float, unit: str) -> dict:
+    """The paper's per-B gates ("per-B DiD gates all pass"): `per_budget` holds gate_summary of each
+    budget's groups and `pass` is true only when every budget in `budgets` passes (a budget without
+    groups fails: it is untested). The top-level numbers pool every group (each decision's groups of
+    all budgets resampled together); they rank passing checkpoints but gate nothing."""
+    per = {str(b): gate_summary([r for r in rows if r["budget"] == b], n_boot, seed, eps, unit) for b in budgets}
+    pooled = gate_summary(rows, n_boot, seed, eps, unit)
+    pooled.pop("gates", None)
+    return {**pooled, "per_budget": per, "pass": bool(per) and all(s["pass"] for s in per.values()),
+            "bootstrap_unit": unit}
+
+
+def better_checkpoint(s: dict, best: dict | None) -> bool:
+    """Whether dev evaluation `s` replaces `best` as the checkpoint to export. The authors' rule for one
+    adapter serving every budget: of the checkpoints passing every per-B gate, the largest pooled DiD
+    select; a tie keeps the earlier step."""
+    return s["pass"] and (best is None or s["did_select"] > best["did_select"])
+
+
+def describe_gates(s: dict) -> str:
+    """One log line: pooled DiD, then each budget's DiD [CI], drifts and verdict."""
+    parts = [f"pooled DiD {s.get('did_select', float('nan')):+.5f}"]
+    for b, x in s["per_budget"].items():
+        if not x["groups"]:
+            parts.append(f"B={b}: no groups FAIL")
+            continue
+        parts.append(f"B={b}: DiD {x['did_select']:+.5f} [{x['did_ci95'][0]:+.5f}, {x['did_ci95'][1]:+.5f}] "
+                     f"|A_r| {x['abs_A_r']:.5f} |A_n| {x['abs_A_n']:.5f} {'PASS' if x['pass'] else 'fail'}")
+    return "; ".join(parts)
 
 
 def progress(iterable, total: int, desc: str):
@@ -717,7 +875,13 @@ def parse_args(argv=None):
     p.add_argument("--drift-weight", type=float, default=DRIFT_WEIGHT)
     p.add_argument("--l2", type=float, default=L2)
     p.add_argument("--gate-eps", type=float, default=DRIFT_CAP, help="drift gate epsilon [0.02]")
-    p.add_argument("--min-gap", type=float, default=0.0, help="mining: minimum Q({j+}) - Q({j-}) [0]")
+    p.add_argument("--groups", choices=["paper", "utility"], default="paper",
+                   help="mining rule: paper (witness j+ older than the window, age-matched non-witness j-) or "
+                        "utility (best / worst singleton utility, recall's earlier rule) [paper]")
+    p.add_argument("--min-gap", type=float, default=0.0, help="--groups utility: minimum Q({j+}) - Q({j-}) [0]")
+    p.add_argument("--bootstrap-unit", choices=["episode", "decision"], default="episode",
+                   help="what the dev gate's bootstrap resamples: episodes (the authors' cluster bootstrap; "
+                        "decisions when the dev split holds whole decisions) or decisions [episode]")
     p.add_argument("--protocol", help="prompt protocol [the labels' made_with.protocol]")
     p.add_argument("--min-pixels", type=int, help="screenshot pixel budget [the labels' made_with, else the model's]")
     p.add_argument("--max-pixels", type=int, help="screenshot pixel budget [the labels' made_with, else the model's]")
@@ -756,7 +920,10 @@ def load_groups(args) -> tuple:
         if max(singles) > len(responses[ep]):
             raise TrainError(f"{lf}: labels for decision {max(singles)}, the episode {ep} has "
                              f"{len(responses[ep])} steps (wrong label file for this episode?)")
-        mined = mine_groups(ep, singles, recents, args.budgets, args.min_gap)
+        if args.groups == "paper":
+            mined = mine_paper_groups(ep, read_events(lf), singles, recents, args.budgets, args.seed)
+        else:
+            mined = mine_utility_groups(ep, singles, recents, args.budgets, args.min_gap)
         log.info("%s: %d groups from %d labelled decisions", ep, len(mined), len(singles))
         groups += mined
         protocols.add(made_with.get("protocol"))
@@ -765,8 +932,11 @@ def load_groups(args) -> tuple:
         if made_with.get("model") and os.path.realpath(made_with["model"]) != os.path.realpath(args.model):
             log.warning("%s was made with the model %s, this run trains on %s", lf, made_with["model"], args.model)
     if not groups:
-        raise TrainError(f"no replacement groups mined at budgets {args.budgets}: a group needs a decision with "
-                         "at least B + 2 earlier events and distinct singleton utilities")
+        need = ("a witness step (its action equivalent to the recorded action at t) strictly older than the "
+                "Recent-B window and a non-witness step as old (or pass --groups utility)"
+                if args.groups == "paper" else "at least B + 2 earlier events and distinct singleton utilities")
+        raise TrainError(f"no replacement groups mined at budgets {args.budgets} (--groups {args.groups}): a "
+                         f"group needs a decision with {need}")
     protocols.discard(None)
     if args.protocol is None and len(protocols) > 1:
         raise TrainError(f"the label files use different protocols {sorted(protocols)}; pass --protocol")
@@ -788,6 +958,20 @@ class Config:
         self.margin, self.drift_cap, self.drift_weight = args.margin, args.drift_cap, args.drift_weight
 
 
+def gate_setup(groups: list, dev_g: list, unit: str) -> tuple:
+    """(the budgets the dev gate checks, the bootstrap unit). Every budget with groups is gated (one
+    without dev groups cannot pass); episodes are resampled only when the dev split holds several."""
+    budgets = sorted({g.budget for g in groups})
+    for b in budgets:
+        if dev_g and not any(g.budget == b for g in dev_g):
+            log.warning("B=%d has no dev groups: its gate cannot pass, so no checkpoint will", b)
+    if unit == "episode" and len({g.episode for g in dev_g}) < 2:
+        unit = "decision"
+        if dev_g:
+            log.info("the dev split has one episode: its bootstrap resamples decisions")
+    return budgets, unit
+
+
 def train(args) -> dict:
     t_start = time.time()
     torch.manual_seed(args.seed)
@@ -799,6 +983,9 @@ def train(args) -> dict:
     train_g, dev_g = split_groups(groups, args.dev_fraction, args.seed)
     log.info("%d groups (%s), %d train, %d dev", len(groups),
              ", ".join(f"B={b}: {sum(g.budget == b for g in groups)}" for b in args.budgets), len(train_g), len(dev_g))
+    gate_budgets, unit = gate_setup(groups, dev_g, args.bootstrap_unit)
+    gates = functools.partial(budget_gates, budgets=gate_budgets, n_boot=args.bootstrap, seed=args.seed,
+                              eps=args.gate_eps, unit=unit)
 
     pixels = {k: args.__dict__[k] or pixel_budget(made, k) for k in ("min_pixels", "max_pixels")}
     policy = Policy(args.model, args.device, args.dtype, args.chat_template, **pixels)
@@ -852,12 +1039,11 @@ def train(args) -> dict:
         elif step == 1 or step % max(1, args.steps // 20) == 0:
             log.info("step %d/%d loss %.6f", step, args.steps, losses[-1])
         if dev_g and (step % eval_every == 0 or step == args.steps):
-            s = gate_summary(evaluate(scorer, dev_g, cfg), args.bootstrap, args.seed, args.gate_eps)
+            s = gates(evaluate(scorer, dev_g, cfg))
             s["step"] = step
             evals.append(s)
-            log.info("step %d dev: DiD %.5f [%.5f, %.5f] |A_r| %.5f |A_n| %.5f %s", step, s["did_select"],
-                     *s["did_ci95"], s["abs_A_r"], s["abs_A_n"], "PASS" if s["pass"] else "fail")
-            if s["pass"] and (best is None or s["did_select"] > best[0]["did_select"]):
+            log.info("step %d dev %s: %s", step, "PASS" if s["pass"] else "fail", describe_gates(s))
+            if better_checkpoint(s, best[0] if best else None):
                 best = (s, adapter.peft_tensors())
 
     if best is not None:
@@ -885,11 +1071,13 @@ def train(args) -> dict:
                    "by_budget": {str(b): sum(g.budget == b for g in groups) for b in args.budgets}},
         "train_loss": {"first": losses[0], "last": losses[-1], "per_step": losses},
         "train_objective": {"initial": objective0, "exported": objective1},
-        "train": gate_summary(final_train, args.bootstrap, args.seed, args.gate_eps),
+        "train": gates(final_train),
         "train_max_abs_A_r": max(abs(r["A_r"]) for r in final_train),
         "train_max_abs_A_n": max(abs(r["A_n"]) for r in final_train),
         "dev_evals": evals,
-        "dev": gate_summary(final_dev, args.bootstrap, args.seed, args.gate_eps) if dev_g else None,
+        "dev": gates(final_dev) if dev_g else None,
+        "gate_budgets": gate_budgets,
+        "bootstrap_unit": unit,
         "selected": selected,
         "exported_step": exported_step,
         "gates_passed": best is not None,
@@ -903,10 +1091,15 @@ def train(args) -> dict:
     return report
 
 
-def print_report(r: dict, out: str):
-    def f(x):
-        return "n/a" if x is None else f"{x:+.5f}"
+def gate_row(s: dict) -> str:
+    """`DiD [CI]  |A_r|  |A_n|` of one gate summary, or n/a."""
+    if not s.get("groups"):
+        return "n/a (no groups)"
+    lo, hi = s["did_ci95"]
+    return f"{s['did_select']:+.5f} [{lo:+.5f}, {hi:+.5f}]  {s['abs_A_r']:.5f}  {s['abs_A_n']:.5f}"
 
+
+def print_report(r: dict, out: str):
     dev = r["dev"] or {}
     rows = [
         ("train loss (step 1 -> last)", f"{r['train_loss']['first']:.6f} -> {r['train_loss']['last']:.6f}"),
@@ -915,12 +1108,13 @@ def print_report(r: dict, out: str):
         ("train |A_r| mean / max", f"{r['train']['abs_A_r']:.5f} / {r['train_max_abs_A_r']:.5f}"),
         ("train |A_n| mean / max", f"{r['train']['abs_A_n']:.5f} / {r['train_max_abs_A_n']:.5f}"),
         ("dev groups", str(dev.get("groups", 0))),
-        ("dev DiD select A_c-A_r [95% CI]",
-         f"{f(dev.get('did_select'))} [{f((dev.get('did_ci95') or [None])[0])}, "
-         f"{f((dev.get('did_ci95') or [None, None])[1])}]"),
-        ("dev |A_r| (mean)", f(dev.get("abs_A_r"))),
-        ("dev |A_n| (mean)", f(dev.get("abs_A_n"))),
-        ("gates", ("PASS" if r["gates_passed"] else "FAIL (last checkpoint exported)")),
+        (f"dev DiD [95% CI, {r['bootstrap_unit']}s] |A_r| |A_n|", ""),
+    ]
+    rows += [(f"  B={b} ({s['groups']} groups)", f"{gate_row(s)}  {'PASS' if s['pass'] else 'FAIL'}")
+             for b, s in dev.get("per_budget", {}).items()]
+    rows += [
+        ("  pooled (ranks checkpoints)", gate_row(dev)),
+        ("gates (every budget)", "PASS" if r["gates_passed"] else "FAIL (last checkpoint exported)"),
         ("exported step", str(r["exported_step"])),
         ("adapter", out),
     ]

@@ -65,6 +65,10 @@ class ScopeMemConfig:
     layer_norm_eps: float = 1e-5
     fields: tuple = FIELDS        # the text fields it reads, a sub-sequence of FIELDS (segment ids in this order)
     confidence: bool = True       # whether the confidence token from (p0, H0) leads the context
+    # What it was trained with (the dump's `layout` and `placement`); recall refuses to serve it under
+    # another. None: not recorded (left out of the JSON).
+    layout: str = None
+    placement: str = None
 
     def __post_init__(self):
         self.fields = tuple(self.fields)
@@ -97,6 +101,9 @@ class ScopeMemConfig:
         d = {"model_type": "scopemem_encoder", "format_version": FORMAT_VERSION}
         d.update(dataclasses.asdict(self))
         d["fields"] = list(self.fields)
+        for k in ("layout", "placement"):
+            if d[k] is None:
+                del d[k]
         if self.variant():
             d["variant"] = self.variant()
         return d

@@ -41,6 +41,7 @@ set before and after training (the "loss first -> last" of the final report).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -66,6 +67,7 @@ MATCH_TOLERANCE = 25  # recall::agent::action::MATCH_TOLERANCE (mobile: Euclidea
 TEMPLATES = {"qwen3_vl": "qwen3-vl-8b-instruct", "qwen2_5_vl": "qwen2.5-vl-7b-instruct"}
 ASSISTANT_TURN = "<|im_start|>assistant\n"
 REPORT = "scopemem_train_report.json"
+LAYOUTS = ("gui-owl", "paper")  # recall's --context names
 # Every key the trainer reads from a dump line.
 REQUIRED = ("messages", "reference", "first", "first_tokens", "p0", "ids", "placement", "max_positions",
             "action_types")
@@ -116,14 +118,16 @@ def read_dump(paths) -> list:
                     raise DumpError(f"{where}: `p0` is not a distribution over {len(ACTION_TYPES)} action types")
                 if r["placement"] not in ("prepend", "append"):
                     raise DumpError(f"{where}: `placement` {r['placement']!r}: expected prepend or append")
+                if r.get("layout", "gui-owl") not in LAYOUTS:
+                    raise DumpError(f"{where}: `layout` {r['layout']!r}: expected gui-owl or paper")
                 if not isinstance(r["reference"], str):
                     raise DumpError(f"{where}: `reference` is not a response string")
                 r["_where"], r["_dir"] = where, os.path.dirname(os.path.abspath(path))
                 recs.append(r)
     if not recs:
         raise DumpError(f"{','.join(paths)}: no dump lines")
-    for k in ("placement", "max_positions"):
-        vals = sorted({str(r[k]) for r in recs})
+    for k in ("placement", "max_positions", "layout"):
+        vals = sorted({str(r.get(k)) for r in recs})
         if len(vals) > 1:
             raise DumpError(f"the dump lines disagree on `{k}` ({', '.join(vals)}); train one encoder per {k}")
     return recs
@@ -424,6 +428,16 @@ def evaluate(actor: Actor, enc: ScopeMemEncoder, data: list, preserve: bool, mod
     return {"loss": tot[0] / len(data), "ce": tot[1] / len(data)}
 
 
+def trained_layout(recs):
+    """The dump's context layout (all lines agree, read_dump checks); None for a dump written before recall
+    recorded it, with a warning: the encoder is then exported without the record and served unchecked."""
+    layout = recs[0].get("layout")
+    if layout is None:
+        print("warning: the dump records no `layout`; the encoder will not record the context layout it was "
+              "trained with (recall then serves it under any --context)", file=sys.stderr)
+    return layout
+
+
 def make_encoder(args, hidden: int, max_positions: int) -> tuple:
     if args.init:
         enc = ScopeMemEncoder.load(args.init)
@@ -532,6 +546,9 @@ def train(args) -> dict:
 
     out = args.out or tempfile.mkdtemp(prefix="scopemem-train-")
     enc.eval()
+    layout = trained_layout(recs)
+    # The encoder directory records what it was trained for; recall refuses to serve it under another.
+    enc.cfg = dataclasses.replace(enc.cfg, layout=layout, placement=placement)
     enc_dir = os.path.join(out, "encoder")
     enc.cpu().save(enc_dir)
     check = ScopeMemEncoder.load(enc_dir)
@@ -542,7 +559,7 @@ def train(args) -> dict:
         raise RuntimeError("the exported encoder differs from the trained one")
     report = {"args": {k: v for k, v in vars(args).items()}, "variant": variant, "fields": list(enc.cfg.fields),
               "confidence": enc.cfg.confidence, "encoder_size": size, "parameters": n_params,
-              "lines": len(data), "placement": placement, "max_positions": max_positions,
+              "lines": len(data), "placement": placement, "layout": layout, "max_positions": max_positions,
               "a0_right": sum(s["correct"] for s in data), "before": before, "after": after,
               "steps": log, "encoder_dir": enc_dir, "seconds": time.time() - t0}
     with open(os.path.join(out, REPORT), "w") as f:

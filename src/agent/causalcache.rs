@@ -15,9 +15,9 @@ use serde::Serialize;
 use crate::action::{equivalent, parse_response, Action};
 use crate::engine::{GenerateParams, Generation, ImageHash, Prompt, RequestOptions, Session};
 use crate::error::{Error, Result};
-use crate::memory::episode::{Decision, Episode};
+use crate::memory::episode::{Decision, Episode, Platform};
 use crate::memory::policy::{thumbnail, AllocationPolicy, PolicyInputs, Thumbnail};
-use crate::memory::protocol::{render_decision, Protocol};
+use crate::memory::protocol::{render_decision_with, Protocol, RestoreAs};
 use crate::memory::selector::{ActionBucket, DecisionContext, EventInfo};
 use crate::model::AdapterMode;
 use crate::vision::ImageSource;
@@ -36,6 +36,11 @@ pub struct TwoPassConfig {
     pub draft: bool,
     /// What ends a pass.
     pub stop: StopRule,
+    /// The action the selector's witness features compare against.
+    pub reference: ReferenceSource,
+    /// What the restored history slots show in both passes: pixels (the method) or the paper's text
+    /// controls (the verbatim response, the OCR transcript).
+    pub restore_as: RestoreAs,
 }
 
 impl Default for TwoPassConfig {
@@ -46,21 +51,87 @@ impl Default for TwoPassConfig {
             max_tokens: 256,
             adapter: AdapterMode::Off,
             draft: true,
-            stop: StopRule::EosOrToolCall,
+            stop: StopRule::ToolCallOnly,
+            reference: ReferenceSource::Proposal,
+            restore_as: RestoreAs::Pixels,
         }
     }
 }
 
+/// Where the reference action of the selector's witness features comes from: the paper's reference
+/// ladder ("Reference actions"). Only [`ReferenceSource::Proposal`] is the deployed method; the rest
+/// are its controls.
+///
+/// ```
+/// use recall::agent::causalcache::ReferenceSource;
+/// assert_eq!("proposal".parse::<ReferenceSource>().unwrap(), ReferenceSource::default());
+/// assert_eq!("last-action".parse::<ReferenceSource>().unwrap(), ReferenceSource::LastAction);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReferenceSource {
+    /// The paper: pass 1's tentative action on the Recent-B prompt; pass 2 re-decides on the new
+    /// allocation only when a recent event was displaced.
+    #[default]
+    Proposal,
+    /// The gold teacher-forced target: the recorded action of decision `t` (offline only; an
+    /// episode step without a record is an error). Two passes, as with the proposal.
+    Gold,
+    /// No action signal: no event is a witness and there is no reference point.
+    None,
+    /// The single-pass variant: the previously executed action (the recorded action of step
+    /// `t − 1`; none at `t = 1`) is the reference, the allocation is chosen before any pass, and one
+    /// pass answers on it.
+    LastAction,
+}
+
+impl std::str::FromStr for ReferenceSource {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s.trim() {
+            "proposal" => ReferenceSource::Proposal,
+            "gold" => ReferenceSource::Gold,
+            "none" => ReferenceSource::None,
+            "last-action" => ReferenceSource::LastAction,
+            other => {
+                return Err(Error::InvalidRequest(format!(
+                    "reference `{other}`: expected proposal (the paper), gold, none or last-action"
+                )))
+            }
+        })
+    }
+}
+
 /// What ends a pass's generation (besides `max_tokens`).
+///
+/// ```
+/// use recall::agent::causalcache::StopRule;
+/// assert_eq!("tool-call".parse::<StopRule>().unwrap(), StopRule::default());
+/// assert!("eos".parse::<StopRule>().is_err());
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum StopRule {
-    /// The model's end-of-sequence ids or `</tool_call>`.
-    #[default]
+    /// The model's end-of-sequence ids or `</tool_call>` (GUI-Owl's own serving).
     EosOrToolCall,
-    /// `</tool_call>` alone: the CausalCache authors' MobileWorld policy server passes
-    /// `eos_token_id=</tool_call>` to `generate`, so an `<|im_end|>` does not stop it (and is then
-    /// left out of the text as a special token).
+    /// `</tool_call>` alone, the protocol's rule and the default: the CausalCache authors' runtimes
+    /// (their MobileWorld policy server passes `eos_token_id=</tool_call>` to `generate`) suppress the
+    /// end-of-sequence token, so an `<|im_end|>` does not stop a pass (and is then left out of the
+    /// text as a special token).
+    #[default]
     ToolCallOnly,
+}
+
+impl std::str::FromStr for StopRule {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim() {
+            "tool-call" => Ok(StopRule::ToolCallOnly),
+            "eos-or-tool-call" => Ok(StopRule::EosOrToolCall),
+            other => Err(Error::InvalidRequest(format!(
+                "stop rule `{other}`: expected `tool-call` (`</tool_call>` alone, the protocol's) or \
+                 `eos-or-tool-call`"
+            ))),
+        }
+    }
 }
 
 /// Milliseconds spent in each phase of a step.
@@ -137,18 +208,83 @@ pub fn two_pass_step(
     let recent = cfg.protocol.recent_b(t - 1, cfg.budget);
     let mut timings = Timings::default();
 
+    if cfg.reference == ReferenceSource::LastAction {
+        return single_pass_step(s, episode, &decision, policy, cfg, memo, recent);
+    }
     let clock = Instant::now();
-    let prompt1 = prompt_for(s, cfg.protocol, &decision, &recent)?;
+    let prompt1 = pass_prompt(s, cfg, &decision, &recent)?;
     timings.prepare1_ms = ms(clock);
     let clock = Instant::now();
     let (proposal, reused1, _) = generate(s, &prompt1, cfg, Vec::new())?;
     timings.pass1_ms = ms(clock);
 
     let clock = Instant::now();
-    let reference = parse_response(proposal.text.as_deref().unwrap_or_default(), platform).ok();
-    let mut ctx = context(episode, &decision, reference.as_ref(), memo)?;
-    // The policy chooses among the protocol's eligible steps only (desktop-strict never restores the
-    // initial screen), as Recent-B does.
+    let reference = match cfg.reference {
+        ReferenceSource::Gold => Some(gold_reference(&decision, platform)?),
+        ReferenceSource::None => None,
+        _ => parse_response(proposal.text.as_deref().unwrap_or_default(), platform).ok(),
+    };
+    let allocation = allocate(episode, &decision, reference.as_ref(), policy, cfg, memo)?;
+    timings.selector_ms = ms(clock);
+
+    let (response, reused2, accepted) = if allocation == recent {
+        (proposal.clone(), 0, 0)
+    } else {
+        let clock = Instant::now();
+        let prompt2 = pass_prompt(s, cfg, &decision, &allocation)?;
+        timings.prepare2_ms = ms(clock);
+        let clock = Instant::now();
+        let draft = if cfg.draft {
+            proposal.tokens.clone()
+        } else {
+            Vec::new()
+        };
+        let out = generate(s, &prompt2, cfg, draft)?;
+        timings.pass2_ms = ms(clock);
+        out
+    };
+    let proposal = proposal.text.unwrap_or_default();
+    Ok(report(
+        &decision,
+        platform,
+        recent,
+        allocation,
+        proposal,
+        response,
+        timings,
+        (reused1, reused2),
+        accepted,
+    ))
+}
+
+/// The recorded action of decision `t`, parsed: the gold reference.
+fn gold_reference(decision: &Decision<'_>, platform: Platform) -> Result<Action> {
+    let record = decision.reference.ok_or_else(|| {
+        Error::InvalidRequest(format!(
+            "reference gold: decision {} has no recorded response (gold needs an offline replay)",
+            decision.t
+        ))
+    })?;
+    parse_response(record, platform).map_err(|e| {
+        Error::InvalidRequest(format!(
+            "reference gold: the recorded response of decision {} does not parse: {e}",
+            decision.t
+        ))
+    })
+}
+
+/// The policy's allocation at `decision` given the reference action: the selector sees the protocol's
+/// eligible steps only (desktop-strict never restores the initial screen), as Recent-B does.
+fn allocate(
+    episode: &Episode,
+    decision: &Decision<'_>,
+    reference: Option<&Action>,
+    policy: &mut dyn AllocationPolicy,
+    cfg: &TwoPassConfig,
+    memo: &mut EpisodeMemo,
+) -> Result<Vec<usize>> {
+    let t = decision.t;
+    let mut ctx = context(episode, decision, reference, memo)?;
     let pool = cfg.protocol.eligible(t - 1);
     ctx.events.retain(|e| pool.contains(&e.step));
     let current = memo.image(decision.current_screenshot)?.1;
@@ -162,30 +298,75 @@ pub fn two_pass_step(
             ))
         })
         .collect();
+    let texts: HashMap<usize, &str> = ctx
+        .events
+        .iter()
+        .filter_map(|e| Some((e.step, episode.steps.get(e.step - 1)?.ocr.as_deref()?)))
+        .collect();
     let extra = PolicyInputs {
         current_thumbnail: Some(&current),
         event_thumbnails: Some(&thumbs),
+        current_text: decision.current_ocr,
+        event_texts: Some(&texts),
     };
-    let allocation = policy.allocate(&ctx, cfg.budget, &extra)?;
-    timings.selector_ms = ms(clock);
-    let k = allocation.iter().filter(|s| !recent.contains(s)).count();
+    policy.allocate(&ctx, cfg.budget, &extra)
+}
 
-    let (response, reused2, accepted) = if allocation == recent {
-        (proposal.clone(), 0, 0)
-    } else {
-        let clock = Instant::now();
-        let prompt2 = prompt_for(s, cfg.protocol, &decision, &allocation)?;
-        timings.prepare2_ms = ms(clock);
-        let clock = Instant::now();
-        let draft = if cfg.draft {
-            proposal.tokens.clone()
-        } else {
-            Vec::new()
-        };
-        let out = generate(s, &prompt2, cfg, draft)?;
-        timings.pass2_ms = ms(clock);
-        out
-    };
+/// [`ReferenceSource::LastAction`]: the allocation from the previously executed action, then one
+/// pass on it (the report's proposal is that pass's answer).
+fn single_pass_step(
+    s: &mut dyn Session,
+    episode: &Episode,
+    decision: &Decision<'_>,
+    policy: &mut dyn AllocationPolicy,
+    cfg: &TwoPassConfig,
+    memo: &mut EpisodeMemo,
+    recent: Vec<usize>,
+) -> Result<StepReport> {
+    let platform = episode.platform;
+    let mut timings = Timings::default();
+    let clock = Instant::now();
+    let last = decision
+        .completed
+        .last()
+        .and_then(|step| parse_response(&step.response, platform).ok());
+    let allocation = allocate(episode, decision, last.as_ref(), policy, cfg, memo)?;
+    timings.selector_ms = ms(clock);
+    let clock = Instant::now();
+    let prompt = pass_prompt(s, cfg, decision, &allocation)?;
+    timings.prepare1_ms = ms(clock);
+    let clock = Instant::now();
+    let (response, reused, _) = generate(s, &prompt, cfg, Vec::new())?;
+    timings.pass1_ms = ms(clock);
+    let proposal = response.text.clone().unwrap_or_default();
+    let mut r = report(
+        decision,
+        platform,
+        recent,
+        allocation,
+        proposal,
+        response,
+        timings,
+        (reused, 0),
+        0,
+    );
+    r.pass2 = false;
+    Ok(r)
+}
+
+/// The step's report from its allocation and final generation.
+#[allow(clippy::too_many_arguments)]
+fn report(
+    decision: &Decision<'_>,
+    platform: Platform,
+    recent: Vec<usize>,
+    allocation: Vec<usize>,
+    proposal: String,
+    response: Generation,
+    timings: Timings,
+    reused_tokens: (usize, usize),
+    accepted_draft: usize,
+) -> StepReport {
     let text = response.text.clone().unwrap_or_default();
     let action = parse_response(&text, platform);
     let matches_record = match (&action, decision.reference) {
@@ -193,34 +374,46 @@ pub fn two_pass_step(
         (Err(_), Some(_)) => Some(false),
         _ => None,
     };
-    Ok(StepReport {
-        t,
+    StepReport {
+        t: decision.t,
         pass2: allocation != recent,
+        k: allocation.iter().filter(|s| !recent.contains(s)).count(),
         recent,
         allocation,
-        k,
-        proposal: proposal.text.unwrap_or_default(),
+        proposal,
         response: text,
         action: action.map(|a| a.tool_call_json()).map_err(|e| e.to_string()),
         matches_record,
         timings,
-        reused_tokens: (reused1, reused2),
-        accepted_draft: accepted,
-    })
+        reused_tokens,
+        accepted_draft,
+    }
 }
 
 fn ms(since: Instant) -> f64 {
     since.elapsed().as_secs_f64() * 1e3
 }
 
-/// The engine prompt of `decision` rendered with `allocation`.
+/// The engine prompt of `decision` rendered with `allocation` (pixels in every slot: what labels and
+/// utilities score).
 pub(crate) fn prompt_for(
     s: &mut dyn Session,
     protocol: Protocol,
     decision: &Decision<'_>,
     allocation: &[usize],
 ) -> Result<Prompt> {
-    let messages = render_decision(protocol, decision, allocation)?;
+    let messages = render_decision_with(protocol, decision, allocation, RestoreAs::Pixels)?;
+    s.chat_prompt(&messages)
+}
+
+/// A pass's prompt: `decision` rendered with `allocation`, its slots as `cfg.restore_as` says.
+fn pass_prompt(
+    s: &mut dyn Session,
+    cfg: &TwoPassConfig,
+    decision: &Decision<'_>,
+    allocation: &[usize],
+) -> Result<Prompt> {
+    let messages = render_decision_with(cfg.protocol, decision, allocation, cfg.restore_as)?;
     s.chat_prompt(&messages)
 }
 
@@ -280,7 +473,7 @@ pub fn fixed_step(
     let recent = cfg.protocol.recent_b(t - 1, allocation.len());
     let mut timings = Timings::default();
     let clock = Instant::now();
-    let prompt = prompt_for(s, cfg.protocol, &decision, allocation)?;
+    let prompt = pass_prompt(s, cfg, &decision, allocation)?;
     timings.prepare1_ms = ms(clock);
     let clock = Instant::now();
     let (out, reused, _) = generate(s, &prompt, cfg, Vec::new())?;
@@ -341,7 +534,7 @@ pub(crate) fn context(
 /// The allocation policies the CLI offers, by name.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PolicyChoice {
-    /// recent | random | rgb | selector | inverted
+    /// recent | random | rgb | ocr | selector | inverted
     pub name: String,
     /// The scorer (safetensors) for `selector` and `inverted`.
     pub selector: Option<PathBuf>,
@@ -351,6 +544,9 @@ pub struct PolicyChoice {
     pub max_replacements: Option<usize>,
     /// Seed of `random`.
     pub seed: u64,
+    /// How the scorer's features count ages; `None`: as its file records
+    /// ([`MarginalScorer::indexing`](crate::memory::selector::MarginalScorer::indexing)).
+    pub indexing: Option<crate::memory::selector::EventIndexing>,
 }
 
 /// Builds the named policy.
@@ -358,11 +554,14 @@ pub struct PolicyChoice {
 /// ```
 /// use recall::agent::causalcache::{make_policy, PolicyChoice};
 /// use recall::memory::selector::Mode;
-/// let c = PolicyChoice { name: "recent".into(), selector: None, mode: Mode::Paper, max_replacements: None, seed: 0 };
+/// let c = PolicyChoice {
+///     name: "recent".into(), selector: None, mode: Mode::Paper, max_replacements: None, seed: 0,
+///     indexing: None,
+/// };
 /// assert_eq!(make_policy(&c).unwrap().name(), "recent");
 /// ```
 pub fn make_policy(c: &PolicyChoice) -> Result<Box<dyn AllocationPolicy>> {
-    use crate::memory::policy::{Inverted, Random, Recent, Rgb, Selector};
+    use crate::memory::policy::{Inverted, OcrText, Random, Recent, Rgb, Selector};
     use crate::memory::selector::{ComposeOptions, MarginalScorer};
     let scorer = || -> Result<(MarginalScorer, ComposeOptions)> {
         let path = c.selector.as_ref().ok_or_else(|| {
@@ -371,14 +570,17 @@ pub fn make_policy(c: &PolicyChoice) -> Result<Box<dyn AllocationPolicy>> {
                 c.name
             ))
         })?;
+        let scorer = MarginalScorer::load(path)?;
         let mut options = ComposeOptions::new(c.mode);
         options.max_replacements = c.max_replacements;
-        Ok((MarginalScorer::load(path)?, options))
+        options.indexing = c.indexing.unwrap_or(scorer.indexing());
+        Ok((scorer, options))
     };
     Ok(match c.name.as_str() {
         "recent" => Box::new(Recent),
         "random" => Box::new(Random { seed: c.seed }),
         "rgb" => Box::new(Rgb),
+        "ocr" => Box::new(OcrText),
         "selector" => {
             let (scorer, options) = scorer()?;
             Box::new(Selector { scorer, options })
@@ -396,7 +598,7 @@ pub fn make_policy(c: &PolicyChoice) -> Result<Box<dyn AllocationPolicy>> {
         }
         other => {
             return Err(Error::InvalidRequest(format!(
-                "unknown policy `{other}` (recent, random, rgb, selector, inverted, oracle)"
+                "unknown policy `{other}` (recent, random, rgb, ocr, selector, inverted, oracle)"
             )))
         }
     })

@@ -16,6 +16,10 @@
 //!   under the platform's rules ([`parse_reference`]). Objects are stored as `<tool_call>\n{json}\n</tool_call>`.
 //! * `target_box` `[x0, y0, x1, y1]` (inclusive, on the 0–999 grid, `x0 ≤ x1`, `y0 ≤ y1`) is allowed only
 //!   when the reference is a click-like action (see [`crate::agent::eval`]).
+//! * `ui_annotations` (AITW's UI annotations of the current screen, each `[y, x, height, width]` as
+//!   fractions in `[0, 1]`) and `candidate_boxes` (AndroidControl's `candidate_bbox`, each `[x0, y0, x1,
+//!   y1]` on the 0–999 grid, fractional values allowed; only for click-like and `open` references) feed the
+//!   benchmark scorers ([`crate::agent::scorers::ScoreContext`]); both may be absent, null or empty.
 //! * `subset` (optional, non-empty) groups steps for per-subset and macro averages; `meta` (optional) is
 //!   free metadata. Any other field is an error, as are mixed platforms and a repeated (episode, step).
 //!
@@ -32,7 +36,7 @@ use crate::action::{
 use crate::error::{Error, Result};
 
 /// The fields a step line may carry.
-pub const STEP_FIELDS: [&str; 10] = [
+pub const STEP_FIELDS: [&str; 12] = [
     "episode",
     "step",
     "subset",
@@ -42,6 +46,8 @@ pub const STEP_FIELDS: [&str; 10] = [
     "history",
     "reference",
     "target_box",
+    "ui_annotations",
+    "candidate_boxes",
     "meta",
 ];
 
@@ -66,6 +72,11 @@ pub struct EvalStep {
     pub reference: String,
     /// Optional target box `[x0, y0, x1, y1]` on the 0–999 grid (inclusive).
     pub target_box: Option<[u32; 4]>,
+    /// AITW's UI annotations of the current screen, `[y, x, height, width]` as fractions of the screen
+    /// (empty when absent).
+    pub ui_annotations: Vec<[f64; 4]>,
+    /// AndroidControl's candidate element boxes `[x0, y0, x1, y1]` on the 0–999 grid (empty when absent).
+    pub candidate_boxes: Vec<[f64; 4]>,
     /// Free metadata (`null` when absent).
     pub meta: Value,
 }
@@ -258,6 +269,8 @@ fn parse_step(
         None | Some(Value::Null) => None,
         Some(v) => Some(parse_box(v, &action)?),
     };
+    let ui_annotations = parse_box_list(obj, "ui_annotations", 1.0)?;
+    let candidate_boxes = parse_candidate_boxes(obj, &action)?;
     let step = EvalStep {
         line,
         episode,
@@ -268,6 +281,8 @@ fn parse_step(
         history,
         reference,
         target_box,
+        ui_annotations,
+        candidate_boxes,
         meta: obj.get("meta").cloned().unwrap_or(Value::Null),
     };
     Ok((step, platform))
@@ -407,4 +422,64 @@ fn parse_box(v: &Value, reference: &Action) -> std::result::Result<[u32; 4], Fie
         ));
     }
     Ok(b)
+}
+
+/// An optional list of 4-number boxes named `field`, each value a JSON number in `[0, max]`; absent or
+/// null is empty. Errors name the box (`field[2]`) or the value (`field[2][1]`).
+fn parse_box_list(
+    obj: &Map<String, Value>,
+    field: &str,
+    max: f64,
+) -> std::result::Result<Vec<[f64; 4]>, FieldError> {
+    let list = match obj.get(field) {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(v) => v
+            .as_array()
+            .ok_or_else(|| field_err(field, "must be a list of 4-number boxes"))?,
+    };
+    let mut boxes = Vec::with_capacity(list.len());
+    for (i, b) in list.iter().enumerate() {
+        let values = b
+            .as_array()
+            .filter(|v| v.len() == 4)
+            .ok_or_else(|| field_err(&format!("{field}[{i}]"), "must be a list of 4 numbers"))?;
+        let mut out = [0.0; 4];
+        for (j, (slot, x)) in out.iter_mut().zip(values).enumerate() {
+            *slot = x.as_f64().filter(|x| (0.0..=max).contains(x)).ok_or_else(|| {
+                field_err(
+                    &format!("{field}[{i}][{j}]"),
+                    format!("must be a number in [0, {max}]"),
+                )
+            })?;
+        }
+        boxes.push(out);
+    }
+    Ok(boxes)
+}
+
+/// `candidate_boxes`: grid boxes `[x0, y0, x1, y1]` with `x0 ≤ x1`, `y0 ≤ y1`, given only for a reference
+/// the AndroidControl scorer tests against them (a click-like action or `open`).
+fn parse_candidate_boxes(
+    obj: &Map<String, Value>,
+    reference: &Action,
+) -> std::result::Result<Vec<[f64; 4]>, FieldError> {
+    let boxes = parse_box_list(obj, "candidate_boxes", f64::from(crate::action::GRID_MAX))?;
+    if let Some(i) = boxes.iter().position(|b| b[0] > b[2] || b[1] > b[3]) {
+        return Err(field_err(
+            &format!("candidate_boxes[{i}]"),
+            format!("{:?} needs x0 <= x1 and y0 <= y1", boxes[i]),
+        ));
+    }
+    let takes_boxes =
+        is_click_like(reference) || matches!(reference.args, crate::action::ActionArgs::Open { .. });
+    if !boxes.is_empty() && !takes_boxes {
+        return Err(field_err(
+            "candidate_boxes",
+            format!(
+                "given for a `{}` reference; only click-like and `open` references take candidate boxes",
+                reference.name()
+            ),
+        ));
+    }
+    Ok(boxes)
 }

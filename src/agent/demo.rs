@@ -45,6 +45,7 @@ pub fn run_demo<B: Backend>(
         mode: Mode::Paper,
         max_replacements: None,
         seed: 0,
+        indexing: None,
     };
     let mut policy = make_policy(&choice)?;
     let cfg = TwoPassConfig {

@@ -31,7 +31,7 @@ use crate::agent::scorers::{ScoreContext, Scorer};
 use crate::error::{Error, Result};
 
 /// One evaluated step: the reference and both opinions, as response strings.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StepOutcome {
     /// Episode id (the bootstrap's resampling unit).
     pub episode: String,
@@ -47,6 +47,12 @@ pub struct StepOutcome {
     pub second: String,
     /// Optional target box `[x0, y0, x1, y1]` on the 0–999 grid, inclusive.
     pub target_box: Option<[u32; 4]>,
+    /// The step's `ui_annotations` for the `aitw` scorer ([`ScoreContext::ui_annotations`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ui_annotations: Vec<[f64; 4]>,
+    /// The step's `candidate_boxes` for the `androidcontrol` scorer ([`ScoreContext::candidate_boxes`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub candidate_boxes: Vec<[f64; 4]>,
 }
 
 /// Bootstrap settings. `resamples == 0` disables the intervals.
@@ -357,9 +363,11 @@ pub fn score_steps_with(
                     )));
                 }
             }
+            // Every scorer sees every box the step carries; each rule reads only its own.
             let ctx = ScoreContext {
                 target_box: s.target_box,
-                ..ScoreContext::default()
+                candidate_boxes: s.candidate_boxes.clone(),
+                ui_annotations: s.ui_annotations.clone(),
             };
             Ok(StepVerdict {
                 first: verdict(&reference, &s.first, &ctx, platform, scorer),
@@ -481,7 +489,7 @@ fn group(subset: Option<String>, episodes: usize, counts: Counts) -> GroupReport
 pub(crate) struct SplitMix64(pub(crate) u64);
 
 impl SplitMix64 {
-    fn next_u64(&mut self) -> u64 {
+    pub(crate) fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);

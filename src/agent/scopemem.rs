@@ -18,6 +18,7 @@ use serde::Serialize;
 use crate::action::{parse_response, Platform};
 use crate::agent::causalcache::agent_params;
 use crate::agent::dataset::EvalStep;
+use crate::agent::eval::SplitMix64;
 use crate::engine::{Generation, Prompt, RequestOptions, Segment, Session};
 use crate::error::{Error, Result};
 use crate::memory::episode::StepRecord;
@@ -50,6 +51,16 @@ pub enum Placement {
     Append,
 }
 
+impl Placement {
+    /// The name `--placement` and the encoder's record use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Placement::Prepend => "prepend",
+            Placement::Append => "append",
+        }
+    }
+}
+
 impl std::str::FromStr for Placement {
     type Err = Error;
 
@@ -77,6 +88,11 @@ pub struct ScopeMemConfig {
     pub baseline: bool,
     /// How a dataset step's context is laid out for the actor (`run_dataset`, `dump_step`).
     pub layout: ContextLayout,
+    /// An intervention on the encoder's inputs (the paper's Table 7), applied by [`run_dataset`]
+    /// only: evaluation, never serving.
+    pub intervention: Option<Intervention>,
+    /// Seeds the intervention's random choices (with each step's episode and index).
+    pub intervention_seed: u64,
 }
 
 impl Default for ScopeMemConfig {
@@ -87,8 +103,178 @@ impl Default for ScopeMemConfig {
             draft: true,
             baseline: false,
             layout: ContextLayout::GuiOwl,
+            intervention: None,
+            intervention_seed: 0,
         }
     }
+}
+
+/// Interventions on the encoder's inputs, ScopeMem's Table 7 (Appendix A.2: "Table 7 tests whether
+/// the encoder uses the first opinion. Perturbing it or replacing it with one from another step
+/// lowers accuracy. These interventions keep the encoder fixed"). Each changes one input of the
+/// encoder and nothing else: the actor's passes, the a0 that repairs and harms are counted against,
+/// p0 and H0 stay the step's own (docs/EVAL.md "Interventions").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Intervention {
+    /// The `first_opinion` field is a0 with the action type its tool call names replaced by another
+    /// of the protocol's types, drawn uniformly from the seed ([`perturb_first_opinion`]); an a0 whose
+    /// tool call names no action is left as it is. The paper does not say how it perturbs a0.
+    PerturbA0,
+    /// The `first_opinion` field is the a0 of another evaluated step, drawn uniformly from the seed.
+    OtherA0,
+    /// The `summary` and `recent_actions` fields are empty. The paper removes history by training a
+    /// separate encoder; this keeps the encoder fixed.
+    NoHistory,
+}
+
+impl Intervention {
+    /// The name `--intervention` uses.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Intervention::PerturbA0 => "perturb-a0",
+            Intervention::OtherA0 => "other-a0",
+            Intervention::NoHistory => "no-history",
+        }
+    }
+
+    /// Whether `encoder` reads the input this intervention changes (else it would change nothing).
+    fn applies_to(self, encoder: &ScopeMemEncoder) -> bool {
+        let reads = &encoder.config().fields;
+        match self {
+            Intervention::PerturbA0 | Intervention::OtherA0 => reads.contains(&0),
+            Intervention::NoHistory => reads.contains(&2) || reads.contains(&3),
+        }
+    }
+}
+
+impl std::str::FromStr for Intervention {
+    type Err = Error;
+
+    /// `perturb-a0`, `other-a0` or `no-history`.
+    fn from_str(s: &str) -> Result<Self> {
+        [
+            Intervention::PerturbA0,
+            Intervention::OtherA0,
+            Intervention::NoHistory,
+        ]
+        .into_iter()
+        .find(|i| i.as_str() == s)
+        .ok_or_else(|| {
+            Error::InvalidRequest(format!(
+                "intervention `{s}`: expected perturb-a0, other-a0 or no-history"
+            ))
+        })
+    }
+}
+
+/// The per-step random stream of an intervention: the seed and the step's place, so a step's draw
+/// does not depend on which other steps are evaluated or in what order.
+fn step_rng(seed: u64, episode: &str, step: u32) -> SplitMix64 {
+    let key = format!("{episode}\u{0}{step}");
+    SplitMix64(xxhash_rust::xxh64::xxh64(key.as_bytes(), seed))
+}
+
+/// `first` with the action type its tool call names (`"action": "TYPE"`) replaced by another of
+/// [`MOBILE_ACTION_TYPES`], drawn uniformly with `seed` (any of the ten when TYPE is not one of
+/// them); the rest of the text is unchanged. `None` when the tool call names no action.
+///
+/// ```
+/// use recall::agent::scopemem::perturb_first_opinion;
+/// let a0 = "<tool_call>\n{\"name\": \"mobile_use\", \"arguments\": {\"action\": \"click\", \"coordinate\": [1, 2]}}\n</tool_call>";
+/// let p = perturb_first_opinion(a0, 7).unwrap();
+/// assert!(!p.contains("\"click\"") && p.ends_with("\"coordinate\": [1, 2]}}\n</tool_call>"));
+/// assert_eq!(perturb_first_opinion("no tool call", 7), None);
+/// ```
+pub fn perturb_first_opinion(first: &str, seed: u64) -> Option<String> {
+    perturb_with(first, &mut SplitMix64(seed))
+}
+
+fn perturb_with(first: &str, rng: &mut SplitMix64) -> Option<String> {
+    let prefix = decision_prefix(first, Platform::Mobile);
+    let rest = first.strip_prefix(prefix.as_str())?;
+    let end = rest.find('"')?;
+    let current = &rest[..end];
+    let others: Vec<&str> = MOBILE_ACTION_TYPES
+        .iter()
+        .copied()
+        .filter(|t| *t != current)
+        .collect();
+    let new = others[rng.below(others.len())];
+    Some(format!("{prefix}{new}{}", &rest[end..]))
+}
+
+/// Applies `intervention` to the encoder's inputs in `ctx` (only `fields` and `ids` change; a0's
+/// text and tokens, p0 and H0 stay). `donor`: the other step's `first_opinion` field (text and ids)
+/// for [`Intervention::OtherA0`]; `seed` drives [`Intervention::PerturbA0`]. `max_positions`: the
+/// encoder's, to cut a perturbed a0 as [`EncoderFields::ids`] does.
+pub fn intervene(
+    ctx: &mut StepContext,
+    intervention: Intervention,
+    donor: Option<(&str, &[u32])>,
+    seed: u64,
+    tokenizer: &crate::tokenize::Tokenizer,
+    max_positions: usize,
+) -> Result<()> {
+    match intervention {
+        Intervention::NoHistory => {
+            ctx.fields.summary.clear();
+            ctx.fields.recent_actions.clear();
+            ctx.ids.summary.clear();
+            ctx.ids.recent_actions.clear();
+        }
+        Intervention::OtherA0 => {
+            let (text, ids) = donor.ok_or_else(|| {
+                Error::InvalidRequest("intervention other-a0: no other step to take a0 from".into())
+            })?;
+            ctx.fields.first_opinion = text.to_string();
+            ctx.ids.first_opinion = ids.to_vec();
+        }
+        Intervention::PerturbA0 => {
+            if let Some(text) = perturb_first_opinion(&ctx.fields.first_opinion, seed) {
+                ctx.ids.first_opinion = cut_ids(tokenizer, &text, max_positions, true)?;
+                ctx.fields.first_opinion = text;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The name `--context` and the encoder's record use for `layout`.
+pub fn layout_name(layout: ContextLayout) -> &'static str {
+    match layout {
+        ContextLayout::GuiOwl => "gui-owl",
+        ContextLayout::Paper => "paper",
+    }
+}
+
+/// Refuses to run `encoder` under a context layout or placement other than the ones it was
+/// trained with (its `scopemem_config.json` record, docs/SCOPEMEM.md "Files"): the prefix was
+/// learnt for one condition of the actor, and under another it is a different, untrained one.
+/// A value the encoder does not record (an older export) is not checked; [`ScopeMemEncoder`]'s
+/// loader warns about it. The error names the field, the trained value and the requested one.
+pub fn check_trained_with(
+    encoder: &ScopeMemEncoder,
+    placement: Placement,
+    layout: ContextLayout,
+) -> Result<()> {
+    let rec = &encoder.config().trained_with;
+    for (field, trained, requested, flag) in [
+        ("layout", &rec.layout, layout_name(layout), "--context"),
+        ("placement", &rec.placement, placement.as_str(), "--placement"),
+    ] {
+        match trained {
+            Some(t) if t != requested => {
+                return Err(Error::InvalidRequest(format!(
+                    "the ScopeMem encoder {} was trained with {field} `{t}`, but this step runs with \
+                     {field} `{requested}`: run it with {flag} {t} (or train an encoder for {requested})",
+                    encoder.source().display()
+                )))
+            }
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 /// Both opinions of one step. A one-pass encoder without `baseline` runs no plain pass: `first`,
@@ -248,16 +434,7 @@ impl EncoderFields {
 
     /// The token ids the encoder reads, at most `max` per field.
     pub fn ids(&self, tokenizer: &crate::tokenize::Tokenizer, max: usize) -> Result<EncoderIds> {
-        let cut = |text: &str, keep_first: bool| -> Result<Vec<u32>> {
-            let ids = tokenizer.encode(text)?;
-            Ok(if ids.len() <= max {
-                ids
-            } else if keep_first {
-                ids[..max].to_vec()
-            } else {
-                ids[ids.len() - max..].to_vec()
-            })
-        };
+        let cut = |text: &str, keep_first: bool| cut_ids(tokenizer, text, max, keep_first);
         Ok(EncoderIds {
             first_opinion: cut(&self.first_opinion, true)?,
             task: cut(&self.task, true)?,
@@ -265,6 +442,23 @@ impl EncoderFields {
             recent_actions: cut(&self.recent_actions, false)?,
         })
     }
+}
+
+/// `text`'s token ids, at most `max`: its start when `keep_first`, else its end.
+fn cut_ids(
+    tokenizer: &crate::tokenize::Tokenizer,
+    text: &str,
+    max: usize,
+    keep_first: bool,
+) -> Result<Vec<u32>> {
+    let ids = tokenizer.encode(text)?;
+    Ok(if ids.len() <= max {
+        ids
+    } else if keep_first {
+        ids[..max].to_vec()
+    } else {
+        ids[ids.len() - max..].to_vec()
+    })
 }
 
 /// Everything the encoder reads at a step, as serving computes it: a0 (text and tokens), p0 and
@@ -361,6 +555,7 @@ pub fn scopemem_step(
     platform: Platform,
     cfg: &ScopeMemConfig,
 ) -> Result<Opinions> {
+    check_trained_with(encoder, cfg.placement, cfg.layout)?;
     let ctx = step_context(
         s,
         prompt,
@@ -371,6 +566,18 @@ pub fn scopemem_step(
         encoder.config().max_positions,
         cfg.baseline || encoder.config().needs_first_opinion(),
     )?;
+    second_opinion(s, encoder, prompt, ctx, cfg)
+}
+
+/// The encoder's prefix from `ctx` (as [`step_context`] built it, or after [`intervene`]) and the
+/// actor's second pass on `prompt` with it, drafted from a0's tokens.
+pub fn second_opinion(
+    s: &mut dyn Session,
+    encoder: &ScopeMemEncoder,
+    prompt: &Prompt,
+    ctx: StepContext,
+    cfg: &ScopeMemConfig,
+) -> Result<Opinions> {
     let prefix = encoder_prefix(s, encoder, &ctx)?;
     let second_prompt = with_prefix(s, prompt, prefix, cfg.placement)?;
     let draft = match (&ctx.first_tokens, cfg.draft) {
@@ -486,7 +693,13 @@ pub struct DatasetResult {
 /// Runs the actor (and, with an encoder, ScopeMem's second opinion) on every step of `dataset` —
 /// or only on the steps whose 1-based file line is in `lines` — with progress shown. Without an
 /// encoder the second opinion is the first. The plain pass always runs (it is the baseline of keeps,
-/// repairs and harms), whatever `cfg.baseline` says.
+/// repairs and harms), whatever `cfg.baseline` says. `cfg.intervention` changes the encoder's
+/// inputs ([`intervene`]); `other-a0` first runs the plain pass on every selected step, so that each
+/// step can take another's a0.
+///
+/// Errors: no step selected; an encoder trained for another layout or placement
+/// ([`check_trained_with`]); an intervention without an encoder, on an input the encoder does not
+/// read, or `other-a0` on fewer than two steps.
 pub fn run_dataset(
     s: &mut dyn Session,
     encoder: Option<&ScopeMemEncoder>,
@@ -505,28 +718,27 @@ pub fn run_dataset(
             dataset.path.display()
         )));
     }
-    let bar = indicatif::ProgressBar::new(steps.len() as u64).with_style(
-        indicatif::ProgressStyle::with_template("evaluating {bar:30} {pos}/{len} steps")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
     let cfg = &ScopeMemConfig {
         baseline: true,
         ..cfg.clone()
     };
+    if let Some(enc) = encoder {
+        check_trained_with(enc, cfg.placement, cfg.layout)?;
+    }
+    check_intervention(encoder, cfg.intervention, steps.len())?;
+    let donors = match (encoder, cfg.intervention) {
+        (Some(enc), Some(Intervention::OtherA0)) => {
+            Some(first_opinion_fields(s, enc, &steps, dataset.platform, cfg)?)
+        }
+        _ => None,
+    };
+    let bar = progress(steps.len(), "evaluating");
     let mut out = Vec::with_capacity(steps.len());
-    for step in steps {
+    for (i, step) in steps.iter().enumerate() {
         let prompt = dataset_prompt(s, step, dataset.platform, cfg.layout)?;
         let (first, second, opinions) = match encoder {
             Some(enc) => {
-                let o = scopemem_step(
-                    s,
-                    enc,
-                    &prompt,
-                    &step.instruction,
-                    &step.history,
-                    dataset.platform,
-                    cfg,
-                )?;
+                let o = evaluated_step(s, enc, &prompt, step, i, donors.as_deref(), dataset.platform, cfg)?;
                 (o.first.clone().unwrap_or_default(), o.second.clone(), Some(o))
             }
             None => {
@@ -544,6 +756,8 @@ pub fn run_dataset(
                 first,
                 second,
                 target_box: step.target_box,
+                ui_annotations: step.ui_annotations.clone(),
+                candidate_boxes: step.candidate_boxes.clone(),
             },
             opinions,
         });
@@ -551,6 +765,117 @@ pub fn run_dataset(
     }
     bar.finish_and_clear();
     Ok(out)
+}
+
+fn progress(len: usize, what: &str) -> indicatif::ProgressBar {
+    indicatif::ProgressBar::new(len as u64).with_style(
+        indicatif::ProgressStyle::with_template(&format!("{what} {{bar:30}} {{pos}}/{{len}} steps"))
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    )
+}
+
+/// An intervention needs an encoder that reads what it changes, and `other-a0` a second step.
+fn check_intervention(
+    encoder: Option<&ScopeMemEncoder>,
+    intervention: Option<Intervention>,
+    steps: usize,
+) -> Result<()> {
+    let Some(iv) = intervention else {
+        return Ok(());
+    };
+    let enc = encoder.ok_or_else(|| {
+        Error::InvalidRequest(format!(
+            "intervention {}: it changes the encoder's inputs, and no encoder is given",
+            iv.as_str()
+        ))
+    })?;
+    if !iv.applies_to(enc) {
+        return Err(Error::InvalidRequest(format!(
+            "intervention {}: the encoder {} ({}) does not read the input it changes",
+            iv.as_str(),
+            enc.source().display(),
+            enc.config().variant().map_or("custom", |v| v.name())
+        )));
+    }
+    if iv == Intervention::OtherA0 && steps < 2 {
+        return Err(Error::InvalidRequest(
+            "intervention other-a0: needs at least two steps (one step's a0 goes to another)".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Every selected step's unmodified `first_opinion` field (text, ids), from the plain pass.
+fn first_opinion_fields(
+    s: &mut dyn Session,
+    enc: &ScopeMemEncoder,
+    steps: &[&EvalStep],
+    platform: Platform,
+    cfg: &ScopeMemConfig,
+) -> Result<Vec<(String, Vec<u32>)>> {
+    let bar = progress(steps.len(), "first opinions");
+    let mut out = Vec::with_capacity(steps.len());
+    for step in steps {
+        let prompt = dataset_prompt(s, step, platform, cfg.layout)?;
+        let ctx = step_context(
+            s,
+            &prompt,
+            &step.instruction,
+            &step.history,
+            platform,
+            cfg.max_tokens,
+            enc.config().max_positions,
+            true,
+        )?;
+        out.push((ctx.fields.first_opinion, ctx.ids.first_opinion));
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    Ok(out)
+}
+
+/// The ScopeMem step on dataset step `index` of the selection, with `cfg.intervention` applied to
+/// the encoder's inputs (`donors`: every step's a0 field, for `other-a0`).
+#[allow(clippy::too_many_arguments)]
+fn evaluated_step(
+    s: &mut dyn Session,
+    enc: &ScopeMemEncoder,
+    prompt: &Prompt,
+    step: &EvalStep,
+    index: usize,
+    donors: Option<&[(String, Vec<u32>)]>,
+    platform: Platform,
+    cfg: &ScopeMemConfig,
+) -> Result<Opinions> {
+    let mut ctx = step_context(
+        s,
+        prompt,
+        &step.instruction,
+        &step.history,
+        platform,
+        cfg.max_tokens,
+        enc.config().max_positions,
+        true,
+    )?;
+    if let Some(iv) = cfg.intervention {
+        let mut rng = step_rng(cfg.intervention_seed, &step.episode, step.step);
+        let donor = donors.map(|d| {
+            // Uniform over the other steps of the selection.
+            let j = rng.below(d.len() - 1);
+            let (text, ids) = &d[if j >= index { j + 1 } else { j }];
+            (text.as_str(), ids.as_slice())
+        });
+        let seed = rng.next_u64();
+        intervene(
+            &mut ctx,
+            iv,
+            donor,
+            seed,
+            s.tokenizer(),
+            enc.config().max_positions,
+        )?;
+    }
+    second_opinion(s, enc, prompt, ctx, cfg)
 }
 
 /// One line of `recall scopemem dump`: a dataset step and what serving computes for it before the

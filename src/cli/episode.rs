@@ -5,8 +5,8 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Subcommand;
-use recall::agent::causalcache::TwoPassConfig;
 use recall::agent::causalcache::{make_policy, run_episode, steps_table, PolicyChoice};
+use recall::agent::causalcache::{ReferenceSource, StopRule, TwoPassConfig};
 use recall::agent::chart::{write_allocation_chart, AllocationRow};
 use recall::agent::eval::BootstrapConfig;
 use recall::agent::labels::{
@@ -20,7 +20,7 @@ use recall::backend::{select, Backend, BackendArgs};
 use recall::engine::{Pipeline, Session};
 use recall::memory::episode::Episode;
 use recall::memory::policy::AllocationPolicy;
-use recall::memory::protocol::{render_decision, Protocol};
+use recall::memory::protocol::{render_decision, Protocol, RestoreAs};
 use recall::memory::selector::Mode;
 use recall::with_backend;
 
@@ -73,6 +73,21 @@ pub struct ReplayArgs {
     /// Most generated tokens per pass.
     #[arg(long, default_value_t = 256)]
     max_tokens: usize,
+    /// What ends a pass: tool-call (`</tool_call>` alone, the protocol's rule: the authors' runtimes
+    /// suppress the end-of-sequence token) or eos-or-tool-call (also the model's eos, as GUI-Owl's
+    /// own serving stops).
+    #[arg(long, default_value = "tool-call", value_parser = |s: &str| s.parse::<StopRule>())]
+    stop: StopRule,
+    /// The selector's reference action (the paper's reference ladder): proposal (pass 1's tentative
+    /// action, the method), gold (the recorded action of the step, an offline oracle), none (no
+    /// action signal) or last-action (the previous step's action, one pass on the chosen allocation).
+    #[arg(long, default_value = "proposal", value_parser = |s: &str| s.parse::<ReferenceSource>())]
+    reference: ReferenceSource,
+    /// What a restored history slot shows in both passes: pixels (the method), or the paper's text
+    /// controls: response (the turn's verbatim recorded response) or ocr (the episode's OCR transcript of
+    /// the screenshot, `steps[i].ocr`). Selection and budget are unchanged.
+    #[arg(long, default_value = "pixels", value_parser = |s: &str| s.parse::<RestoreAs>())]
+    restore_as: RestoreAs,
 }
 
 impl ReplayArgs {
@@ -83,7 +98,9 @@ impl ReplayArgs {
             max_tokens: self.max_tokens,
             adapter: model.request_adapter(),
             draft,
-            ..TwoPassConfig::default()
+            stop: self.stop,
+            reference: self.reference,
+            restore_as: self.restore_as,
         }
     }
 }
@@ -91,8 +108,9 @@ impl ReplayArgs {
 /// The allocation policy and the learned selector's options.
 #[derive(clap::Args)]
 pub struct PolicyArgs {
-    /// recent, random, rgb, selector, inverted, or oracle (the beam over true utilities from the
-    /// engine on the recorded response, falling back to Recent-B when it scores higher).
+    /// recent, random, rgb, ocr (OCR-transcript similarity; the episode's `ocr` fields), selector,
+    /// inverted, or oracle (the beam over true utilities from the engine on the recorded response,
+    /// falling back to Recent-B when it scores higher).
     #[arg(long, default_value = "recent")]
     policy: String,
     /// The learned scorer (safetensors) for selector and inverted.
@@ -109,6 +127,11 @@ pub struct PolicyArgs {
     /// Seed of the random policy.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// How the selector's features count ages: desktop (age t-s+1, the authors' training code, where
+    /// in_recent_B is Recent-B) or mobile (age t-s, their MobileWorld deployment) [default: as the
+    /// scorer file records; a file without the record: mobile].
+    #[arg(long, value_parser = |s: &str| s.parse::<recall::memory::selector::EventIndexing>())]
+    event_indexing: Option<recall::memory::selector::EventIndexing>,
     /// The oracle's beam width (sets kept per level, children per parent).
     #[arg(long, default_value_t = recall::memory::selector::DEFAULT_BEAM)]
     oracle_beam: usize,
@@ -122,6 +145,7 @@ impl PolicyArgs {
             mode: self.mode,
             max_replacements: self.max_replacements,
             seed: self.seed,
+            indexing: self.event_indexing,
         }
     }
 }

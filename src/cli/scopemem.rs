@@ -7,7 +7,9 @@ use clap::Subcommand;
 use recall::agent::compare::compare;
 use recall::agent::dataset::StepDataset;
 use recall::agent::eval::{evaluate_with, BootstrapConfig, EvalReport, StepOutcome};
-use recall::agent::scopemem::{dump_step, run_dataset, DatasetResult, Placement, ScopeMemConfig};
+use recall::agent::scopemem::{
+    dump_step, run_dataset, DatasetResult, Intervention, Placement, ScopeMemConfig,
+};
 use recall::agent::scorers::Scorer;
 use recall::backend::{select, Backend};
 use recall::memory::protocol::ContextLayout;
@@ -81,6 +83,14 @@ pub struct DatasetRunArgs {
     /// Most generated tokens per opinion.
     #[arg(long, default_value_t = 256)]
     max_tokens: usize,
+    /// An intervention on the encoder's inputs (the paper's Table 7; docs/EVAL.md
+    /// "Interventions"): perturb-a0 (a0's action type replaced by another), other-a0 (another
+    /// step's a0) or no-history (empty summary and recent actions). Needs --encoder.
+    #[arg(long, value_parser = parse_intervention)]
+    intervention: Option<Intervention>,
+    /// Seed of the intervention's random choices.
+    #[arg(long, default_value_t = 0)]
+    intervention_seed: u64,
     /// Only these dataset lines (1-based), e.g. 3 or 3,7.
     #[arg(long, value_delimiter = ',')]
     lines: Vec<usize>,
@@ -88,9 +98,10 @@ pub struct DatasetRunArgs {
 
 #[derive(clap::Args)]
 pub struct EvalArgs {
-    /// Compare two `recall eval --json` reports instead of running a model: B against A (keeps,
-    /// repairs, harms, paired advantage with an episode-bootstrap interval). Takes only
-    /// --bootstrap, --json and --markdown besides.
+    /// Compare two `recall eval --json` reports instead of running a model: B against A (each one's
+    /// repairs and harms against the plain actor, the steps only one keeps or repairs, the paired
+    /// advantage with an episode-bootstrap interval). Takes only --bootstrap, --json and --markdown
+    /// besides.
     #[arg(long, num_args = 2, value_names = ["A_JSON", "B_JSON"])]
     compare: Option<Vec<PathBuf>>,
     #[command(flatten)]
@@ -181,6 +192,10 @@ pub fn parse_placement(s: &str) -> std::result::Result<Placement, String> {
     s.parse().map_err(|e: recall::Error| e.to_string())
 }
 
+fn parse_intervention(s: &str) -> std::result::Result<Intervention, String> {
+    s.parse().map_err(|e: recall::Error| e.to_string())
+}
+
 fn parse_layout(s: &str) -> std::result::Result<ContextLayout, String> {
     s.parse().map_err(|e: recall::Error| e.to_string())
 }
@@ -198,6 +213,8 @@ fn run_on<B: Backend>(be: B, a: &DatasetRunArgs) -> Result<(StepDataset, Vec<Dat
         placement: a.placement,
         max_tokens: a.max_tokens,
         layout: a.context,
+        intervention: a.intervention,
+        intervention_seed: a.intervention_seed,
         ..ScopeMemConfig::default()
     };
     let mut engine = p.engine(a.model.engine_config())?;

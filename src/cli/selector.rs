@@ -6,7 +6,8 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::Subcommand;
 use recall::agent::labels::read_labels;
-use recall::memory::selector_train::{report_table, train, TrainConfig};
+use recall::memory::selector::EventIndexing;
+use recall::memory::selector_train::{report_table, train, TrainConfig, RECENCY_FEATURES};
 
 use super::write_file;
 
@@ -55,6 +56,32 @@ pub struct TrainArgs {
     /// Train on label files whose `made_with` differ.
     #[arg(long)]
     allow_mixed: bool,
+    /// How features count ages: desktop (age t-s+1, the authors' training code; in_recent_B is
+    /// Recent-B) or mobile (age t-s, their MobileWorld deployment). Recorded in the file.
+    #[arg(long, default_value = "desktop", value_parser = |s: &str| s.parse::<EventIndexing>())]
+    event_indexing: EventIndexing,
+    /// Features to hold at 0 and cut from the scorer (comma-separated names, or `recency` for the
+    /// paper's no-recency-membership control: in_recent_1/2/4/8 and n_recent_in_set).
+    #[arg(long, value_delimiter = ',')]
+    mask_features: Vec<String>,
+}
+
+/// The masked feature names, with `recency` expanded.
+fn masked_features(names: &[String]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for n in names {
+        let expanded: Vec<String> = if n == "recency" {
+            RECENCY_FEATURES.iter().map(|s| s.to_string()).collect()
+        } else {
+            vec![n.trim().to_string()]
+        };
+        for e in expanded {
+            if !out.contains(&e) {
+                out.push(e);
+            }
+        }
+    }
+    out
 }
 
 pub fn run(command: SelectorCommand) -> Result<()> {
@@ -80,6 +107,8 @@ fn train_scorer(a: &TrainArgs) -> Result<()> {
         batch_samples: a.batch_samples,
         holdout: a.holdout,
         seed: a.seed,
+        indexing: a.event_indexing,
+        masked: masked_features(&a.mask_features),
     };
     let bar = indicatif::ProgressBar::new(a.epochs as u64).with_style(
         indicatif::ProgressStyle::with_template("training {bar:30} epoch {pos}/{len} loss {msg}")

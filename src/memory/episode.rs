@@ -35,6 +35,10 @@ pub struct StepRecord {
     pub response: String,
     /// `a_s` when recorded; otherwise derived from the response (see [`action_line_for`](Self::action_line_for)).
     pub action_line: Option<String>,
+    /// A text transcript (OCR) of `x_s`, when the episode carries one: what the OCR-similarity
+    /// allocator compares and what [`RestoreAs::Ocr`](crate::memory::protocol::RestoreAs) shows in
+    /// place of the pixels. recall runs no OCR itself.
+    pub ocr: Option<String>,
 }
 
 impl StepRecord {
@@ -44,6 +48,7 @@ impl StepRecord {
             screenshot: screenshot.into(),
             response: response.into(),
             action_line: None,
+            ocr: None,
         }
     }
 
@@ -84,6 +89,8 @@ pub struct Episode {
     pub steps: Vec<StepRecord>,
     /// The screen after the last step, when recorded (`x_{T+1}`).
     pub final_screenshot: Option<PathBuf>,
+    /// A text transcript (OCR) of the final screenshot, when recorded.
+    pub final_ocr: Option<String>,
     /// The directory the episode was loaded from (relative image paths are resolved against it).
     pub dir: PathBuf,
 }
@@ -101,6 +108,8 @@ pub struct Decision<'a> {
     pub completed: &'a [StepRecord],
     /// `x_t`: the current screenshot.
     pub current_screenshot: &'a Path,
+    /// The OCR transcript of `x_t`, when the episode records one.
+    pub current_ocr: Option<&'a str>,
     /// `r_t`, the recorded response at step `t`, when `t ≤ T`.
     pub reference: Option<&'a str>,
 }
@@ -150,6 +159,7 @@ impl Episode {
                 "platform",
                 "steps",
                 "final_screenshot",
+                "final_ocr",
                 "meta",
             ],
         )?;
@@ -181,27 +191,20 @@ impl Episode {
                 &path,
                 &prefix,
                 step,
-                &["screenshot", "response", "action_line", "meta"],
+                &["screenshot", "response", "action_line", "ocr", "meta"],
             )?;
             let screenshot = image_path(&path, dir, step, &prefix, "screenshot")?;
             let response = req_str(&path, step, &prefix, "response")?.to_string();
-            let action_line = match step.get("action_line") {
-                None | Some(Value::Null) => None,
-                Some(Value::String(s)) => Some(s.clone()),
-                Some(_) => {
-                    return Err(Error::json(
-                        &path,
-                        format!("{prefix}.action_line"),
-                        "must be a string",
-                    ))
-                }
-            };
+            let action_line = opt_str(&path, step, &prefix, "action_line")?;
+            let ocr = opt_str(&path, step, &prefix, "ocr")?;
             steps.push(StepRecord {
                 screenshot,
                 response,
                 action_line,
+                ocr,
             });
         }
+        let final_ocr = opt_str(&path, obj, "", "final_ocr")?;
         let final_screenshot = match obj.get("final_screenshot") {
             None | Some(Value::Null) => None,
             Some(_) => Some(image_path(&path, dir, obj, "", "final_screenshot")?),
@@ -216,6 +219,7 @@ impl Episode {
             platform,
             steps,
             final_screenshot,
+            final_ocr,
             dir: dir.to_path_buf(),
         })
     }
@@ -260,10 +264,12 @@ impl Episode {
                 n + 1
             )));
         }
-        let (current_screenshot, reference) = if t <= n {
+        let (current_screenshot, current_ocr, reference) = if t <= n {
+            let step = &self.steps[t - 1];
             (
-                self.steps[t - 1].screenshot.as_path(),
-                Some(self.steps[t - 1].response.as_str()),
+                step.screenshot.as_path(),
+                step.ocr.as_deref(),
+                Some(step.response.as_str()),
             )
         } else {
             let last = self.final_screenshot.as_deref().ok_or_else(|| {
@@ -272,7 +278,7 @@ impl Episode {
                     self.dir.join(EPISODE_FILE).display()
                 ))
             })?;
-            (last, None)
+            (last, self.final_ocr.as_deref(), None)
         };
         Ok(Decision {
             t,
@@ -280,6 +286,7 @@ impl Episode {
             platform: self.platform,
             completed: &self.steps[..t - 1],
             current_screenshot,
+            current_ocr,
             reference,
         })
     }
@@ -315,6 +322,15 @@ fn req_str<'a>(path: &Path, obj: &'a Map<String, Value>, prefix: &str, key: &str
     match obj.get(key) {
         None => Err(Error::json(path, field_name(prefix, key), "missing")),
         Some(Value::String(s)) => Ok(s),
+        Some(_) => Err(Error::json(path, field_name(prefix, key), "must be a string")),
+    }
+}
+
+/// An optional string field (absent or null is `None`).
+fn opt_str(path: &Path, obj: &Map<String, Value>, prefix: &str, key: &str) -> Result<Option<String>> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
         Some(_) => Err(Error::json(path, field_name(prefix, key), "must be a string")),
     }
 }

@@ -11,6 +11,9 @@
 //!   splitmix64(t))`.
 //! * [`Rgb`] — the `B` pool events whose 32×32 thumbnails ([`thumbnail`]) have the smallest mean
 //!   absolute difference to the current screen's (ties: the more recent).
+//! * [`OcrText`] — the `B` pool events whose screenshots' OCR transcripts are most similar to the
+//!   current screen's ([`text_similarity`]: cosine of word counts; ties: the more recent). The
+//!   transcripts come with the episode (`steps[i].ocr`, `final_ocr`); recall runs no OCR.
 //! * [`Selector`] — the learned scorer through [`compose_with`] (paper, greedy or reference
 //!   [`Mode`]).
 //! * [`Inverted`] — the same with the negated score (a specificity control).
@@ -40,6 +43,10 @@ pub struct PolicyInputs<'a> {
     pub current_thumbnail: Option<&'a Thumbnail>,
     /// Thumbnails of past events by step ([`Rgb`]).
     pub event_thumbnails: Option<&'a HashMap<usize, Thumbnail>>,
+    /// OCR transcript of the current screen ([`OcrText`]).
+    pub current_text: Option<&'a str>,
+    /// OCR transcripts of past events' screenshots by step ([`OcrText`]).
+    pub event_texts: Option<&'a HashMap<usize, &'a str>>,
 }
 
 /// A rule choosing which events regain their screenshots.
@@ -233,6 +240,83 @@ impl AllocationPolicy for Rgb {
             scored.push((thumbnail_distance(current, th), s));
         }
         scored.sort_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)));
+        let mut chosen: Vec<usize> = scored[..budget].iter().map(|&(_, s)| s).collect();
+        chosen.sort_unstable();
+        Ok(chosen)
+    }
+}
+
+/// The words of a transcript: maximal runs of alphanumeric characters, lowercased.
+fn word_counts(text: &str) -> HashMap<String, f64> {
+    let mut counts = HashMap::new();
+    for word in text
+        .split(|c: char| !c.is_alphanumeric())
+        .filter(|w| !w.is_empty())
+    {
+        *counts.entry(word.to_lowercase()).or_insert(0.0) += 1.0;
+    }
+    counts
+}
+
+/// Cosine similarity of two transcripts' word-count vectors (words: maximal alphanumeric runs,
+/// lowercased), in `[0, 1]`; 0 when either has no word. The CausalCache paper names an OCR-similarity
+/// baseline without defining the similarity; this is recall's (plain bag of words, no weighting).
+///
+/// ```
+/// use recall::memory::policy::text_similarity;
+/// // "wi fi settings" vs "settings wi fi": the same words -> 1.
+/// assert!((text_similarity("Wi-Fi settings", "settings, wi fi") - 1.0).abs() < 1e-12);
+/// // {alarm: 1, clock: 1} vs {clock: 1}: 1 / (sqrt(2) * 1).
+/// assert!((text_similarity("Alarm clock", "clock") - 0.5f64.sqrt()).abs() < 1e-12);
+/// assert_eq!(text_similarity("", "clock"), 0.0);
+/// ```
+pub fn text_similarity(a: &str, b: &str) -> f64 {
+    let (a, b) = (word_counts(a), word_counts(b));
+    let norm = |m: &HashMap<String, f64>| m.values().map(|v| v * v).sum::<f64>().sqrt();
+    let (na, nb) = (norm(&a), norm(&b));
+    if na == 0.0 || nb == 0.0 {
+        return 0.0;
+    }
+    let dot: f64 = a.iter().filter_map(|(w, x)| b.get(w).map(|y| x * y)).sum();
+    dot / (na * nb)
+}
+
+/// OCR-text similarity: the `B` pool events whose transcripts are most similar to the current
+/// screen's ([`text_similarity`]; ties: the more recent). Every pool event and the current screen
+/// need a transcript; a missing one is an error naming the step.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct OcrText;
+
+impl AllocationPolicy for OcrText {
+    fn name(&self) -> &'static str {
+        "ocr"
+    }
+    fn allocate(&mut self, ctx: &DecisionContext, budget: usize, extra: &PolicyInputs) -> Result<Vec<usize>> {
+        let pool = match pool_or_recent(ctx, budget)? {
+            Ok(pool) => pool,
+            Err(recent) => return Ok(recent),
+        };
+        let current = extra.current_text.ok_or_else(|| {
+            Error::InvalidRequest(format!(
+                "ocr policy: decision {} has no OCR transcript of its current screen (`ocr` of step {}, \
+                 or `final_ocr` for the live step)",
+                ctx.t, ctx.t
+            ))
+        })?;
+        let texts = extra
+            .event_texts
+            .ok_or_else(|| Error::InvalidRequest("ocr policy: no event transcripts".into()))?;
+        let mut scored = Vec::with_capacity(pool.len());
+        for &s in &pool {
+            let text = texts.get(&s).ok_or_else(|| {
+                Error::InvalidRequest(format!(
+                    "ocr policy: step {s} (steps[{}].ocr) has no OCR transcript of its screenshot",
+                    s - 1
+                ))
+            })?;
+            scored.push((text_similarity(current, text), s));
+        }
+        scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(b.1.cmp(&a.1)));
         let mut chosen: Vec<usize> = scored[..budget].iter().map(|&(_, s)| s).collect();
         chosen.sort_unstable();
         Ok(chosen)

@@ -264,15 +264,85 @@ fn image(path: &Path) -> ContentPart {
     ContentPart::Image(path.to_string_lossy().into_owned())
 }
 
-/// A user turn `[CONT(history) if non-empty, image]`.
-fn continuation_turn(history: String, path: &Path) -> ChatMessage {
+/// A user turn `[CONT(history) if non-empty, slot]` (the slot: an image, or a restored step's text).
+fn continuation_turn(history: String, slot: ContentPart) -> ChatMessage {
     let mut content = Vec::with_capacity(2);
     if !history.is_empty() {
         content.push(ContentPart::Text(format!("{CONTINUED_HEADER}{history}")));
     }
-    content.push(image(path));
+    content.push(slot);
     ChatMessage::new("user", content)
 }
+
+/// What a restored history slot shows where its screenshot would be: the pixels (the method), or one of
+/// the CausalCache paper's two text controls, which "keep selection, budget, and the two-pass interface
+/// intact but replace each restored frame's pixels with text: the turn's verbatim recorded response, or
+/// an OCR transcription of the same screenshot". The current screen `x_t` is always an image.
+///
+/// A text slot is one text part, [`TEXT_SLOT_HEADER`] with the step number, a newline, then the text
+/// (recall's wording: the paper does not print its own).
+///
+/// ```
+/// use recall::memory::protocol::RestoreAs;
+/// assert_eq!("pixels".parse::<RestoreAs>().unwrap(), RestoreAs::default());
+/// assert_eq!("ocr".parse::<RestoreAs>().unwrap(), RestoreAs::Ocr);
+/// assert!("thumbnail".parse::<RestoreAs>().is_err());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub enum RestoreAs {
+    /// The archived screenshot (CausalCache).
+    #[default]
+    Pixels,
+    /// The turn's verbatim recorded response `r_s` as text.
+    Response,
+    /// The screenshot's OCR transcript (`steps[s-1].ocr` of the episode; an error when absent).
+    Ocr,
+}
+
+impl std::str::FromStr for RestoreAs {
+    type Err = Error;
+
+    /// `pixels`, `response` or `ocr`.
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim() {
+            "pixels" => Ok(Self::Pixels),
+            "response" => Ok(Self::Response),
+            "ocr" => Ok(Self::Ocr),
+            other => Err(Error::InvalidRequest(format!(
+                "restore-as `{other}`: expected pixels (the method), response or ocr (the paper's text controls)"
+            ))),
+        }
+    }
+}
+
+impl RestoreAs {
+    /// The name `--restore-as` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Pixels => "pixels",
+            Self::Response => "response",
+            Self::Ocr => "ocr",
+        }
+    }
+
+    /// What step `s` (1-based; `step` is its record) shows in its slot.
+    fn slot(self, s: usize, step: &StepRecord) -> Result<ContentPart> {
+        let text = match self {
+            Self::Pixels => return Ok(image(&step.screenshot)),
+            Self::Response => step.response.as_str(),
+            Self::Ocr => step.ocr.as_deref().ok_or_else(|| {
+                Error::InvalidRequest(format!(
+                    "restore-as ocr: step {s} (steps[{}].ocr) has no OCR transcript of its screenshot",
+                    s - 1
+                ))
+            })?,
+        };
+        Ok(ContentPart::Text(format!("{TEXT_SLOT_HEADER}{s}:\n{text}")))
+    }
+}
+
+/// The start of a text slot's text ([`RestoreAs`]); the step number and `:\n` follow.
+pub const TEXT_SLOT_HEADER: &str = "Screenshot of Step";
 
 /// Renders the messages of one decision (section 2): `completed` are steps `1..=T`, `allocation` the
 /// steps shown with their screenshot and verbatim response (strictly increasing, within
@@ -298,6 +368,39 @@ pub fn render(
     allocation: &[usize],
     current: &Path,
 ) -> Result<Vec<ChatMessage>> {
+    render_with(
+        protocol,
+        instruction,
+        completed,
+        allocation,
+        current,
+        RestoreAs::Pixels,
+    )
+}
+
+/// [`render`] with the restored slots shown as `restore` says: the same messages, each history image
+/// part replaced by [`RestoreAs`]'s text for [`RestoreAs::Response`] and [`RestoreAs::Ocr`].
+///
+/// ```
+/// use std::path::Path;
+/// use recall::memory::episode::StepRecord;
+/// use recall::memory::protocol::{render_with, Protocol, RestoreAs};
+/// use recall::tokenize::chat::ContentPart;
+///
+/// let steps = vec![StepRecord::new("x1.png", "Action: Open.\n<tool_call>\n{}\n</tool_call>")];
+/// let m = render_with(Protocol::Mobile, "Go.", &steps, &[1], Path::new("x2.png"), RestoreAs::Response)?;
+/// assert_eq!(m[1].content[1], ContentPart::Text(format!("Screenshot of Step1:\n{}", steps[0].response)));
+/// assert!(render_with(Protocol::Mobile, "Go.", &steps, &[1], Path::new("x2.png"), RestoreAs::Ocr).is_err());
+/// # Ok::<(), recall::Error>(())
+/// ```
+pub fn render_with(
+    protocol: Protocol,
+    instruction: &str,
+    completed: &[StepRecord],
+    allocation: &[usize],
+    current: &Path,
+    restore: RestoreAs,
+) -> Result<Vec<ChatMessage>> {
     let t = completed.len();
     validate_allocation(protocol, t, allocation)?;
     let platform = protocol.platform();
@@ -314,7 +417,7 @@ pub fn render(
     let text = first_user_text(instruction, &fold(completed, 1, s1 - 1, platform));
     messages.push(ChatMessage::new(
         "user",
-        vec![ContentPart::Text(text), image(&completed[s1 - 1].screenshot)],
+        vec![ContentPart::Text(text), restore.slot(s1, &completed[s1 - 1])?],
     ));
     for pair in allocation.windows(2) {
         let (prev, s) = (pair[0], pair[1]);
@@ -324,7 +427,7 @@ pub fn render(
         ));
         messages.push(continuation_turn(
             fold(completed, prev + 1, s - 1, platform),
-            &completed[s - 1].screenshot,
+            restore.slot(s, &completed[s - 1])?,
         ));
     }
     let last = allocation[allocation.len() - 1];
@@ -332,7 +435,10 @@ pub fn render(
         "assistant",
         completed[last - 1].response.as_str(),
     ));
-    messages.push(continuation_turn(fold(completed, last + 1, t, platform), current));
+    messages.push(continuation_turn(
+        fold(completed, last + 1, t, platform),
+        image(current),
+    ));
     Ok(messages)
 }
 
@@ -353,12 +459,23 @@ pub fn render_decision(
     decision: &Decision<'_>,
     allocation: &[usize],
 ) -> Result<Vec<ChatMessage>> {
-    render(
+    render_decision_with(protocol, decision, allocation, RestoreAs::Pixels)
+}
+
+/// [`render_with`] for a replay [`Decision`].
+pub fn render_decision_with(
+    protocol: Protocol,
+    decision: &Decision<'_>,
+    allocation: &[usize],
+    restore: RestoreAs,
+) -> Result<Vec<ChatMessage>> {
+    render_with(
         protocol,
         decision.instruction,
         decision.completed,
         allocation,
         decision.current_screenshot,
+        restore,
     )
 }
 

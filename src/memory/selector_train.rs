@@ -38,9 +38,21 @@ use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::memory::selector::{
-    compose_with, recent_b, ComposeOptions, DecisionContext, FeatureContext, MarginalModel, MarginalScorer,
-    Mode, ScorerParams, FEATURE_NAMES, NUM_FEATURES, SCORER_FORMAT,
+    compose_logged, recent_b, ComposeOptions, DecisionContext, EventIndexing, FeatureContext, MarginalModel,
+    MarginalScorer, Mode, ScorerParams, FEATURE_NAMES, NUM_FEATURES, SCORER_FORMAT,
 };
+
+/// The recency-membership features (`--mask-features recency`): the paper's "retraining without the
+/// recency-membership features" control, read as every feature that says whether an event (or a
+/// member of `S`) lies in a recent window. `age`, `log_age` and `recency_rank` stay: they order
+/// events without naming a window.
+pub const RECENCY_FEATURES: [&str; 5] = [
+    "in_recent_1",
+    "in_recent_2",
+    "in_recent_4",
+    "in_recent_8",
+    "n_recent_in_set",
+];
 
 /// Two implied marginals closer than this (in label units) are a tie and form no ranking pair.
 pub const TIE: f64 = 1e-6;
@@ -110,6 +122,11 @@ pub struct TrainConfig {
     /// Fraction of episodes held out (at least one when there are two or more episodes).
     pub holdout: f64,
     pub seed: u64,
+    /// How features count ages (recorded in the file as `event_indexing`).
+    pub indexing: EventIndexing,
+    /// Features held at 0 in training and cut from the exported scorer (names of
+    /// [`FEATURE_NAMES`]; recorded as `feature_mask`).
+    pub masked: Vec<String>,
 }
 
 impl Default for TrainConfig {
@@ -123,6 +140,8 @@ impl Default for TrainConfig {
             batch_samples: 256,
             holdout: 0.2,
             seed: 0,
+            indexing: EventIndexing::default(),
+            masked: Vec::new(),
         }
     }
 }
@@ -151,7 +170,22 @@ impl TrainConfig {
         if !(0.0..1.0).contains(&self.holdout) {
             return bad(format!("holdout {} (expected 0 <= holdout < 1)", self.holdout));
         }
-        Ok(())
+        self.mask_indices().map(|_| ())
+    }
+
+    /// The positions of the masked features; an unknown name is an error that lists the valid ones.
+    pub fn mask_indices(&self) -> Result<Vec<usize>> {
+        self.masked
+            .iter()
+            .map(|name| {
+                FEATURE_NAMES.iter().position(|f| f == name).ok_or_else(|| {
+                    Error::InvalidRequest(format!(
+                        "selector train: unknown feature `{name}` to mask (features: {}; or `recency`)",
+                        FEATURE_NAMES.join(", ")
+                    ))
+                })
+            })
+            .collect()
     }
 }
 
@@ -446,7 +480,13 @@ struct Split {
 }
 
 impl Split {
-    fn build(decisions: &[LabelledDecision], chosen: Vec<usize>, episodes: usize) -> Result<Self> {
+    fn build(
+        decisions: &[LabelledDecision],
+        chosen: Vec<usize>,
+        episodes: usize,
+        cfg: &TrainConfig,
+    ) -> Result<Self> {
+        let masked = cfg.mask_indices()?;
         let mut split = Split {
             decisions: chosen,
             episodes,
@@ -454,11 +494,13 @@ impl Split {
         };
         for &di in &split.decisions {
             let d = &decisions[di];
-            let fc = FeatureContext::new(&d.context).map_err(|e| context_error(d, e))?;
+            let fc =
+                FeatureContext::with_indexing(&d.context, cfg.indexing).map_err(|e| context_error(d, e))?;
             for (set, marginals) in implied_marginals(d) {
                 let start = split.samples.len();
                 for (j, delta) in marginals {
-                    let x = fc.features(j, &set).map_err(|e| context_error(d, e))?;
+                    let mut x = fc.features(j, &set).map_err(|e| context_error(d, e))?;
+                    masked.iter().for_each(|&k| x[k] = 0.0);
                     split.samples.push(Sample { x, delta });
                 }
                 split.states.push(State {
@@ -561,6 +603,12 @@ pub struct ComposeOutcome {
     pub loses: usize,
     /// The composed set has no label (no verdict).
     pub unscored: usize,
+    /// Marginals `Δ̂(j | S)` the compositions asked the scorer for.
+    pub queries: usize,
+    /// Of those, the ones off the labels' states: `Q(S)` or `Q(S ∪ {j})` unlabelled, so no implied
+    /// marginal of that state was ever a training target (paper mode asks `Δ̂(· | Recent-B ∖ {e})`,
+    /// sets the default teacher paths rarely contain).
+    pub off_label_queries: usize,
 }
 
 /// Metrics of the trained scorer on one split.
@@ -606,7 +654,7 @@ pub struct Trained {
 impl Trained {
     /// The scorer these parameters define.
     pub fn scorer(&self) -> Result<MarginalScorer> {
-        MarginalScorer::from_params(&self.params)
+        Ok(MarginalScorer::from_params(&self.params)?.with_indexing(self.report.config.indexing))
     }
 
     /// Writes the scorer file (docs of [`crate::memory::selector`]) with `extra` metadata (e.g. what
@@ -619,6 +667,10 @@ impl Trained {
         meta.insert("format".into(), SCORER_FORMAT.into());
         meta.insert("hidden".into(), h.to_string());
         meta.insert("feature_names".into(), FEATURE_NAMES.join(","));
+        meta.insert("event_indexing".into(), self.report.config.indexing.name().into());
+        if !self.report.config.masked.is_empty() {
+            meta.insert("feature_mask".into(), self.report.config.masked.join(","));
+        }
         meta.insert(
             "report".into(),
             serde_json::to_string(&self.report).map_err(|e| Error::InvalidRequest(e.to_string()))?,
@@ -721,8 +773,9 @@ pub fn train(
         .collect();
     let (mlp, first_loss, last_loss) = fit(&train_split, &z, scale, cfg, &mut progress)?;
 
-    let params = export(&mlp, &mean, &std, scale);
-    let scorer = MarginalScorer::from_params(&params)?;
+    let mut params = export(&mlp, &mean, &std, scale);
+    cut_masked(&mut params, &cfg.mask_indices()?);
+    let scorer = MarginalScorer::from_params(&params)?.with_indexing(cfg.indexing);
     let baseline = train_split.samples.iter().map(|s| s.delta).sum::<f64>() / n;
     let train_metrics = evaluate(decisions, &train_split, &scorer, baseline);
     let heldout =
@@ -761,8 +814,8 @@ fn split_decisions(
         .map(|d| &d.episode)
         .collect::<BTreeSet<_>>()
         .len();
-    let train_split = Split::build(decisions, train_idx, n_episodes - heldout_set.len())?;
-    let held_split = Split::build(decisions, held_idx, heldout_set.len())?;
+    let train_split = Split::build(decisions, train_idx, n_episodes - heldout_set.len(), cfg)?;
+    let held_split = Split::build(decisions, held_idx, heldout_set.len(), cfg)?;
     if train_split.samples.is_empty() {
         return Err(Error::InvalidRequest(
             "selector train: the training split has no implied marginals (a marginal needs Q(S) and \
@@ -835,6 +888,17 @@ fn export(mlp: &Mlp, mean: &[f64; NUM_FEATURES], std: &[f64; NUM_FEATURES], scal
     }
 }
 
+/// Removes the masked features from the scorer: their `fc1` columns are zeroed and their
+/// normalisation made the identity, so whatever value serving computes for them has no effect, and on
+/// the training inputs (where they were 0) the scorer is unchanged.
+fn cut_masked(p: &mut ScorerParams, masked: &[usize]) {
+    for &k in masked {
+        p.feature_mean[k] = 0.0;
+        p.feature_std[k] = 1.0;
+        p.fc1_weight.chunks_mut(NUM_FEATURES).for_each(|row| row[k] = 0.0);
+    }
+}
+
 /// Metrics of `scorer` on one split (`baseline`: the constant prediction for `baseline_rmse`).
 fn evaluate(
     decisions: &[LabelledDecision],
@@ -868,7 +932,7 @@ fn evaluate(
     let right = pairs.iter().filter(|&&(a, b)| pred[a] > pred[b]).count();
     let mut compose = ComposeOutcome::default();
     for &di in &split.decisions {
-        compare_with_recent(&decisions[di], scorer, &mut compose);
+        compare_with_recent(&decisions[di], scorer, scorer.indexing(), &mut compose);
     }
     SplitMetrics {
         episodes: split.episodes,
@@ -887,8 +951,28 @@ fn evaluate(
     }
 }
 
-/// Paper composition at every budget whose Recent-B anchor is labelled, judged by the labels.
-fn compare_with_recent(d: &LabelledDecision, scorer: &MarginalScorer, out: &mut ComposeOutcome) {
+/// Paper composition at every budget whose Recent-B anchor is labelled, judged by the labels; also
+/// counts the scorer queries the compositions made and those off the labelled states.
+///
+/// ```
+/// use recall::memory::selector::{ActionBucket, DecisionContext, EventIndexing, EventInfo};
+/// use recall::memory::selector_train::{compare_with_recent, ComposeOutcome, LabelledDecision};
+/// let ev = |step| EventInfo {
+///     step, image_hash: step as u64, next_bucket: ActionBucket::Click, next_point: None, witness: false,
+/// };
+/// let context = DecisionContext { t: 4, reference_point: None, events: (1..4).map(ev).collect() };
+/// let d = LabelledDecision { episode: "e".into(), context, utilities: vec![(vec![3], -1.0)] };
+/// let mut out = ComposeOutcome::default();
+/// compare_with_recent(&d, &|f: &[f32; 28]| -f[0], EventIndexing::Desktop, &mut out);
+/// assert_eq!((out.cases, out.kept_recent), (1, 1)); // B = 1: Recent-1 = {3} is labelled
+/// assert!(out.off_label_queries > 0 && out.off_label_queries <= out.queries);
+/// ```
+pub fn compare_with_recent<M: MarginalModel + ?Sized>(
+    d: &LabelledDecision,
+    scorer: &M,
+    indexing: EventIndexing,
+    out: &mut ComposeOutcome,
+) {
     let q: BTreeMap<&[usize], f64> = d.utilities.iter().map(|(s, q)| (s.as_slice(), *q)).collect();
     let n = d.context.events.len();
     for budget in 1..n {
@@ -896,10 +980,19 @@ fn compare_with_recent(d: &LabelledDecision, scorer: &MarginalScorer, out: &mut 
         let Some(&q_recent) = q.get(recent.as_slice()) else {
             continue;
         };
-        let Ok(a) = compose_with(&d.context, budget, scorer, &ComposeOptions::new(Mode::Paper)) else {
+        let options = ComposeOptions {
+            indexing,
+            ..ComposeOptions::new(Mode::Paper)
+        };
+        let Ok((a, queries)) = compose_logged(&d.context, budget, scorer, &options) else {
             continue;
         };
         out.cases += 1;
+        out.queries += queries.len();
+        out.off_label_queries += queries
+            .iter()
+            .filter(|(j, set)| !labelled_state(&q, *j, set))
+            .count();
         if a.steps == recent {
             out.kept_recent += 1;
         } else {
@@ -910,6 +1003,13 @@ fn compare_with_recent(d: &LabelledDecision, scorer: &MarginalScorer, out: &mut 
             }
         }
     }
+}
+
+/// Whether `Q(set)` and `Q(set ∪ {j})` are both labelled (`set` sorted, `j` not in it).
+fn labelled_state(q: &BTreeMap<&[usize], f64>, j: usize, set: &[usize]) -> bool {
+    let mut with = set.to_vec();
+    with.insert(with.partition_point(|&s| s < j), j);
+    q.contains_key(set) && q.contains_key(with.as_slice())
 }
 
 /// The report as a Markdown table (train and held-out columns).
@@ -950,6 +1050,10 @@ pub fn report_table(r: &TrainReport) -> String {
             format!("{} / {} / {} / {}", c.beats, c.loses, c.kept_recent, c.unscored)
         },
     );
+    row("composition queries off the labelled states", &|m| {
+        let c = &m.compose;
+        format!("{} of {}", c.off_label_queries, c.queries)
+    });
     if r.heldout.is_none() {
         s.push_str("\n(no held-out split: fewer than two episodes, or --holdout 0)\n");
     }

@@ -91,6 +91,20 @@ pub struct ScopeMemConfig {
     pub fields: Vec<usize>,
     /// Whether the confidence token from `(p0, H0)` leads the context.
     pub confidence: bool,
+    /// What the encoder was trained with (`layout`, `placement` in `scopemem_config.json`);
+    /// serving checks it against the step it runs (`agent::scopemem::check_trained_with`).
+    pub trained_with: TrainedWith,
+}
+
+/// The actor context layout and prefix placement an encoder was trained with, as the trainer
+/// records them. `None`: not recorded (an encoder written before the record existed); serving then
+/// warns at load and does not check that value.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TrainedWith {
+    /// The actor's context layout (`gui-owl` or `paper`), the dump's `layout`.
+    pub layout: Option<String>,
+    /// Where the prefix went in the second pass (`prepend` or `append`), the dump's `placement`.
+    pub placement: Option<String>,
 }
 
 /// The encoders of the paper's study (§3, §6), by what they read. Only [`Full`](Self::Full)
@@ -194,6 +208,7 @@ impl ScopeMemConfig {
             layer_norm_eps: 1e-5,
             fields: vec![0, 1, 2, 3],
             confidence: true,
+            trained_with: TrainedWith::default(),
         }
     }
 
@@ -301,6 +316,10 @@ impl ScopeMemConfig {
             layer_norm_eps: eps,
             fields,
             confidence,
+            trained_with: TrainedWith {
+                layout: recorded(doc, "layout").map_err(|m| err("layout", m))?,
+                placement: recorded(doc, "placement").map_err(|m| err("placement", m))?,
+            },
         };
         cfg.check(path, doc)?;
         Ok(cfg)
@@ -472,6 +491,16 @@ impl EncoderInputs {
 }
 
 /// `fields` of `scopemem_config.json`: names from [`FIELDS`], each at most once, in that order.
+/// A recorded training setting: absent or null is `None`, a non-empty string is kept, anything
+/// else is an error (the value is checked against the step when serving).
+fn recorded(doc: &Value, key: &str) -> std::result::Result<Option<String>, String> {
+    match doc.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) if !s.is_empty() => Ok(Some(s.clone())),
+        Some(v) => Err(format!("expected a non-empty string, found {v}")),
+    }
+}
+
 fn parse_fields(v: &Value) -> std::result::Result<Vec<usize>, String> {
     let names = v
         .as_array()
@@ -737,6 +766,19 @@ impl<B: Backend> ScopeMemEncoder<B> {
             source: dir.to_path_buf(),
             config,
         };
+        for (key, value) in [
+            ("layout", &enc.config.trained_with.layout),
+            ("placement", &enc.config.trained_with.placement),
+        ] {
+            if value.is_none() {
+                // An encoder exported before the trainer recorded it: served unchecked.
+                tracing::warn!(
+                    dir = %dir.display(),
+                    "{CONFIG_FILE} records no `{key}` (an older export): it is not checked against the \
+                     step; add `\"{key}\": ...` with the value it was trained with to have it checked"
+                );
+            }
+        }
         tracing::info!(
             dir = %dir.display(),
             parameters = enc.config.num_parameters(),

@@ -28,7 +28,7 @@ use tokio::sync::{oneshot, watch, OwnedMutexGuard};
 
 use crate::action::{parse_response, Platform};
 use crate::agent::causalcache::{
-    make_policy, two_pass_step, EpisodeMemo, PolicyChoice, StepReport, TwoPassConfig,
+    make_policy, two_pass_step, EpisodeMemo, PolicyChoice, StepReport, StopRule, TwoPassConfig,
 };
 use crate::agent::scopemem::{scopemem_step, Opinions, Placement, ScopeMemConfig};
 use crate::engine::Session;
@@ -77,6 +77,8 @@ pub struct EpisodeConfig {
     pub draft: bool,
     pub adapter: AdapterMode,
     pub placement: Placement,
+    /// What ends a CausalCache pass (`stop_rule`: `tool-call`, the protocol's, or `eos-or-tool-call`).
+    pub stop: StopRule,
 }
 
 impl EpisodeConfig {
@@ -95,6 +97,7 @@ impl EpisodeConfig {
             "draft": self.draft,
             "adapter": format!("{:?}", self.adapter).to_lowercase(),
             "placement": match self.placement { Placement::Prepend => "prepend", Placement::Append => "append" },
+            "stop_rule": match self.stop { StopRule::ToolCallOnly => "tool-call", StopRule::EosOrToolCall => "eos-or-tool-call" },
         })
     }
 }
@@ -302,6 +305,14 @@ pub async fn create(State(app): State<Arc<AppState>>, body: Bytes) -> Response {
 async fn create_inner(app: &Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
     let obj = json_object(body)?;
     let config = parse_config(app, &obj)?;
+    if config.policy.name == "ocr" {
+        // The API's steps carry screenshots, no transcripts: the OCR baseline is offline only.
+        return Err(ApiError::bad(
+            "policy",
+            "policy `ocr` needs OCR transcripts, which episode steps do not carry: run it offline with \
+             `recall episode run|eval --policy ocr` on episodes whose steps have `ocr`",
+        ));
+    }
     let policy = make_policy(&config.policy).map_err(|e| ApiError::bad("policy", e.to_string()))?;
     let store = &app.episodes;
     store.expire();
@@ -323,6 +334,7 @@ async fn create_inner(app: &Arc<AppState>, body: &[u8]) -> Result<Response, ApiE
             platform: config.platform,
             steps: Vec::new(),
             final_screenshot: None,
+            final_ocr: None,
             dir,
         },
         config,
@@ -361,6 +373,7 @@ const EPISODE_FIELDS: &[&str] = &[
     "draft",
     "adapter",
     "placement",
+    "stop_rule",
 ];
 
 fn parse_config(app: &AppState, obj: &Map<String, Value>) -> Result<EpisodeConfig, ApiError> {
@@ -394,11 +407,13 @@ fn parse_config(app: &AppState, obj: &Map<String, Value>) -> Result<EpisodeConfi
             mode,
             max_replacements: fields.uint("max_replacements")?.map(|n| n as usize),
             seed: fields.uint("seed")?.unwrap_or(0),
+            indexing: None,
         },
         max_tokens,
         draft,
         adapter,
         placement: fields.parsed::<Placement>("placement")?.unwrap_or_default(),
+        stop: fields.parsed::<StopRule>("stop_rule")?.unwrap_or_default(),
     })
 }
 
@@ -722,6 +737,7 @@ impl EpisodeState {
                     max_tokens: cfg.max_tokens,
                     adapter: cfg.adapter,
                     draft: cfg.draft,
+                    stop: cfg.stop,
                     ..TwoPassConfig::default()
                 };
                 let r = two_pass_step(

@@ -36,7 +36,8 @@ use tokio::sync::watch;
 
 use crate::action::{action_line_or_fallback, mobileworld_action, parse_official, Platform};
 use crate::agent::causalcache::{
-    fixed_step, make_policy, two_pass_step, EpisodeMemo, PolicyChoice, StepReport, StopRule, TwoPassConfig,
+    fixed_step, make_policy, two_pass_step, EpisodeMemo, PolicyChoice, ReferenceSource, StepReport, StopRule,
+    TwoPassConfig,
 };
 use crate::memory::episode::{Episode, StepRecord};
 use crate::memory::protocol::Protocol;
@@ -283,6 +284,8 @@ fn decide(
         adapter: app.engine.info.adapter.unwrap_or_default(),
         draft: true,
         stop: StopRule::ToolCallOnly,
+        reference: ReferenceSource::Proposal,
+        restore_as: crate::memory::protocol::RestoreAs::Pixels,
     };
     if !server_selects {
         return fixed_step(s, episode, t, selected, &cfg);
@@ -294,6 +297,7 @@ fn decide(
         mode: Mode::Paper,
         max_replacements: None,
         seed: 0,
+        indexing: None,
     };
     let mut policy = make_policy(&choice)?;
     two_pass_step(s, episode, t, policy.as_mut(), &cfg, &mut EpisodeMemo::default())
@@ -338,6 +342,7 @@ fn write_episode(req: &PolicyRequest, dir: &Path) -> Result<Episode, ApiError> {
             screenshot: path,
             response: s.full_response.clone(),
             action_line: Some(s.action_text.clone()),
+            ocr: None,
         });
     }
     Ok(Episode {
@@ -345,6 +350,7 @@ fn write_episode(req: &PolicyRequest, dir: &Path) -> Result<Episode, ApiError> {
         platform: Platform::Mobile,
         steps,
         final_screenshot: Some(write("current.png", &req.current)?),
+        final_ocr: None,
         dir: dir.to_path_buf(),
     })
 }

@@ -125,6 +125,14 @@ def test_a_dump_line_without_a_field_is_a_clear_error(tmp_path):
     path.write_text(json.dumps(good) + "\n" + json.dumps(dict(good, placement="append")) + "\n")
     with pytest.raises(T.DumpError, match="disagree on `placement`"):
         T.read_dump(str(path))
+    path = tmp_path / "layouts.jsonl"
+    path.write_text(json.dumps(dict(good, layout="paper")) + "\n" + json.dumps(dict(good, layout="gui-owl")) + "\n")
+    with pytest.raises(T.DumpError, match="disagree on `layout`"):
+        T.read_dump(str(path))
+    path = tmp_path / "layout.jsonl"
+    path.write_text(json.dumps(dict(good, layout="sideways")) + "\n")
+    with pytest.raises(T.DumpError, match=r"layout\.jsonl:1: `layout` 'sideways'"):
+        T.read_dump(str(path))
     # the command line reports it and exits 2, before loading any model
     path = tmp_path / "no_p0.jsonl"
     p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "scopemem_train.py"), "--dump", str(path),
@@ -161,6 +169,48 @@ def test_training_lowers_the_objective(trained):
     assert r["after"]["loss"] < r["before"]["loss"] - 1e-3
     saved = json.load(open(trained["out"] / T.REPORT))
     assert saved["before"] == r["before"] and saved["after"] == r["after"]
+
+
+def test_the_encoder_records_the_layout_and_placement_it_was_trained_with(trained):
+    """The exported scopemem_config.json carries the dump's `layout` and `placement` (what recall checks
+    before serving), and so do the report and a reload."""
+    rec = trained["recs"][0]
+    assert (rec["layout"], rec["placement"]) == ("gui-owl", "prepend")
+    cfg = json.load(open(trained["out"] / "encoder" / "scopemem_config.json"))
+    assert (cfg["layout"], cfg["placement"]) == ("gui-owl", "prepend")
+    assert (trained["report"]["layout"], trained["report"]["placement"]) == ("gui-owl", "prepend")
+    loaded = T.ScopeMemEncoder.load(str(trained["out"] / "encoder"))
+    assert (loaded.cfg.layout, loaded.cfg.placement) == ("gui-owl", "prepend")
+
+
+def test_the_record_follows_the_dump_and_an_unrecorded_dump_records_nothing(trained, tmp_path, capsys):
+    """An `append` dump gives an encoder recorded as `append`; a dump line without `layout` (written
+    before recall recorded it) gives an encoder without the `layout` record, with a warning."""
+    lines = [dict(r, placement="append") for r in trained["recs"][:1]]
+    for r in lines:
+        del r["layout"]
+        r.pop("_where", None), r.pop("_dir", None)
+    path = tmp_path / "append.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    args = T.parse_args(["--dump", str(path), "--actor", MODEL, "--epochs", "1", "--no-eval",
+                         "--image-root", str(os.path.dirname(DATASET)), "--out", str(tmp_path / "out")])
+    T.train(args)
+    cfg = json.load(open(tmp_path / "out" / "encoder" / "scopemem_config.json"))
+    assert cfg["placement"] == "append" and "layout" not in cfg
+    assert "records no `layout`" in capsys.readouterr().err
+
+
+def test_recall_refuses_an_encoder_under_another_placement(trained):
+    """`recall scopemem run` with the recorded encoder and a different --placement or --context fails,
+    naming the field, the trained value and the requested one."""
+    enc_dir = str(trained["out"] / "encoder")
+    for flag, value, trained_value in [("--placement", "append", "prepend"), ("--context", "paper", "gui-owl")]:
+        cmd = [recall_bin(), "scopemem", "run", "--model", MODEL, "--dataset", DATASET, "--lines", "1",
+               "--max-tokens", "4", "--backend", "cpu", "--encoder", enc_dir, flag, value]
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        field = flag.lstrip("-").replace("context", "layout")
+        assert p.returncode != 0, p.stdout
+        assert f"{field} `{trained_value}`" in p.stderr and f"{field} `{value}`" in p.stderr, p.stderr
 
 
 def test_recall_serves_the_exported_encoder_as_trained(trained):
@@ -285,11 +335,17 @@ def test_eval_compare_reports_two_variants(trained, variants, tmp_path):
     md = recall("eval", "--compare", str(reports["full"]), str(reports["task-only"]), "--bootstrap", "200",
                 "--json", str(out))
     c = json.load(open(out))
-    counts = c["counts"]
+    counts = c["pairwise"]
     assert counts["steps"] == 4
-    assert counts["keeps"] + counts["repairs"] + counts["harms"] + counts["neither"] == 4
+    assert counts["both_right"] + counts["only_a_right"] + counts["only_b_right"] + counts["neither"] == 4
     assert c["advantage"] == pytest.approx(c["em_b"] - c["em_a"])
-    assert "keeps" in md.lower() or "keep" in md.lower()
+    # against the plain actor (both reports share a0): B's repairs - harms minus A's is B's advantage
+    p = c["against_plain"]
+    assert p["steps"] + p["plain_disagrees"] == 4
+    net = (p["b"]["repairs"] - p["b"]["harms"]) - (p["a"]["repairs"] - p["a"]["harms"])
+    if p["plain_disagrees"] == 0:
+        assert net == counts["only_b_right"] - counts["only_a_right"]
+    assert "only one keeps" in md
 
 
 def test_trains_on_the_paper_layout(tmp_path):
@@ -302,6 +358,8 @@ def test_trains_on_the_paper_layout(tmp_path):
     args = T.parse_args(["--dump", str(tmp_path / "paper.jsonl"), "--actor", MODEL, "--epochs", "1", "--no-eval",
                          "--variant", "one-pass", "--out", str(tmp_path / "out")])
     r = T.train(args)
+    cfg = json.load(open(tmp_path / "out" / "encoder" / "scopemem_config.json"))
+    assert (cfg["layout"], cfg["placement"]) == ("paper", "prepend")
     prompt = r["actor"].prompt(rec["messages"], rec["_dir"])
     assert prompt["grid"].shape[0] == 3  # three screenshots reach the actor
     assert len(r["steps"]) == 1 and math.isfinite(r["steps"][0]["loss"])

@@ -1,7 +1,7 @@
 //! What composition is asked and what it returns: the [`Mode`]s, their [`ComposeOptions`], the
 //! [`Allocation`] with its [`Swap`]s. Below `compose.rs` and the modes' files, which all use them.
 
-use super::DEFAULT_BEAM;
+use super::{EventIndexing, DEFAULT_BEAM};
 
 /// How [`compose`](super::compose) builds the set. All three are exact-`B`;
 /// [`compose_with`](super::compose_with) has the details.
@@ -73,6 +73,8 @@ pub struct ComposeOptions {
     pub beam_width: usize,
     /// Reference mode only: children kept per parent (by predicted marginal). At least 1.
     pub children_per_parent: usize,
+    /// How the features count ages: the scorer's own (its file's `event_indexing`).
+    pub indexing: EventIndexing,
 }
 
 impl ComposeOptions {
@@ -83,6 +85,7 @@ impl ComposeOptions {
             max_replacements: None,
             beam_width: DEFAULT_BEAM,
             children_per_parent: DEFAULT_BEAM,
+            indexing: EventIndexing::default(),
         }
     }
 }

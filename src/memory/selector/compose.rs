@@ -3,7 +3,9 @@
 use super::greedy::greedy;
 use super::paper::paper;
 use super::reference::reference;
-use super::{recent_b, Allocation, ComposeOptions, DecisionContext, FeatureContext, MarginalModel, Mode};
+use super::{
+    recent_b, Allocation, ComposeOptions, DecisionContext, FeatureContext, MarginalModel, Mode, Query,
+};
 use crate::error::Result;
 
 /// Composes an exact-`B` allocation with default beam settings. See [`compose_with`].
@@ -95,7 +97,35 @@ pub fn compose_with<M: MarginalModel + ?Sized>(
     scorer: &M,
     options: &ComposeOptions,
 ) -> Result<Allocation> {
-    let fc = FeatureContext::new(ctx)?;
+    compose_in(
+        &FeatureContext::with_indexing(ctx, options.indexing)?,
+        budget,
+        scorer,
+        options,
+    )
+}
+
+/// [`compose_with`], also returning every `Δ̂(j | S)` the scorer was asked for (in order): the states
+/// the composition visited, to audit against the states the labels cover.
+pub fn compose_logged<M: MarginalModel + ?Sized>(
+    ctx: &DecisionContext,
+    budget: usize,
+    scorer: &M,
+    options: &ComposeOptions,
+) -> Result<(Allocation, Vec<Query>)> {
+    let fc = FeatureContext::with_indexing(ctx, options.indexing)?;
+    fc.log_queries();
+    let a = compose_in(&fc, budget, scorer, options)?;
+    Ok((a, fc.take_queries()))
+}
+
+fn compose_in<M: MarginalModel + ?Sized>(
+    fc: &FeatureContext<'_>,
+    budget: usize,
+    scorer: &M,
+    options: &ComposeOptions,
+) -> Result<Allocation> {
+    let ctx = fc.decision();
     let recent = recent_b(ctx, budget);
     if budget == 0 || ctx.events.len() <= budget {
         let mut a = Allocation::recent(recent);
@@ -104,19 +134,19 @@ pub fn compose_with<M: MarginalModel + ?Sized>(
     }
     match options.mode {
         Mode::Paper => paper(
-            &fc,
+            fc,
             scorer,
             recent,
             options.max_replacements.unwrap_or(budget),
             options.beam_width.max(1),
         ),
         Mode::Greedy => greedy(
-            &fc,
+            fc,
             budget,
             scorer,
             recent,
             options.max_replacements.unwrap_or(budget),
         ),
-        Mode::Reference => reference(&fc, budget, scorer, recent, options),
+        Mode::Reference => reference(fc, budget, scorer, recent, options),
     }
 }

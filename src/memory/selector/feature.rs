@@ -1,5 +1,6 @@
 //! Decisions, events and the 28 selector features (see the module docs of [`super`]).
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 
 use super::{CANDIDATE_FEATURES, NUM_FEATURES, SET_FEATURES};
@@ -22,6 +23,66 @@ pub struct EventInfo {
     pub next_point: Option<(f64, f64)>,
     /// That action is equivalent to the reference action (pass 1's proposal).
     pub witness: bool,
+}
+
+/// How a recall step is numbered when the selector counts ages, a choice the authors' two feature
+/// implementations make differently (module docs of [`super`], "Event indexing").
+///
+/// ```
+/// use recall::memory::selector::EventIndexing;
+/// // Decision t = 10, candidate step 9 (the most recent completed step).
+/// assert_eq!(EventIndexing::Desktop.age(10, 9), 2); // event 8, shown with action 9
+/// assert_eq!(EventIndexing::Mobile.age(10, 9), 1);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EventIndexing {
+    /// The authors' desktop training code (`selector_v4_features.py`), where the selectors were
+    /// trained: step `s` is event `s − 1` (its screen is the post-action frame of event `s − 1`,
+    /// shown with action `s`), so `age = t − s + 1` and `in_recent_B` (`age ≤ B + 1`) is exactly
+    /// membership in Recent-B.
+    #[default]
+    Desktop,
+    /// The authors' MobileWorld deployment code (`mobileworld_selector_features.py`): `age = t − s`
+    /// with the desktop thresholds unchanged, so `in_recent_B` also covers step `t − B − 1`.
+    Mobile,
+}
+
+impl EventIndexing {
+    /// The event number of step `s`.
+    pub fn event(self, s: usize) -> usize {
+        match self {
+            EventIndexing::Desktop => s - 1,
+            EventIndexing::Mobile => s,
+        }
+    }
+
+    /// The age of step `s` at decision `t` (`s < t`).
+    pub fn age(self, t: usize, s: usize) -> usize {
+        t - self.event(s)
+    }
+
+    /// The name scorer files and the CLI use: `desktop` or `mobile`.
+    pub fn name(self) -> &'static str {
+        match self {
+            EventIndexing::Desktop => "desktop",
+            EventIndexing::Mobile => "mobile",
+        }
+    }
+}
+
+impl std::str::FromStr for EventIndexing {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim() {
+            "desktop" => Ok(EventIndexing::Desktop),
+            "mobile" => Ok(EventIndexing::Mobile),
+            other => Err(Error::InvalidRequest(format!(
+                "event indexing `{other}`: expected `desktop` (age t-s+1, the authors' training code) \
+                 or `mobile` (age t-s, their MobileWorld deployment)"
+            ))),
+        }
+    }
 }
 
 /// One decision: the current step and every completed event.
@@ -111,7 +172,13 @@ pub struct FeatureContext<'a> {
     pool: Vec<usize>,
     /// Per sorted position: the 20 candidate features.
     cand: Vec<[f32; CANDIDATE_FEATURES]>,
+    indexing: EventIndexing,
+    /// When logging ([`FeatureContext::log_queries`]): every `(candidate, set)` asked for, in order.
+    log: RefCell<Option<Vec<Query>>>,
 }
+
+/// One feature query: the candidate and the (sorted) conditioning set of `Δ̂(candidate | set)`.
+pub type Query = (usize, Vec<usize>);
 
 fn finite_point(p: Option<(f64, f64)>) -> bool {
     p.is_none_or(|(x, y)| x.is_finite() && y.is_finite())
@@ -119,8 +186,13 @@ fn finite_point(p: Option<(f64, f64)>) -> bool {
 
 impl<'a> FeatureContext<'a> {
     /// Validates `ctx` (steps distinct and in `1..t`, points finite) and precomputes the pool and the
-    /// candidate features.
+    /// candidate features, with the default [`EventIndexing`].
     pub fn new(ctx: &'a DecisionContext) -> Result<Self> {
+        Self::with_indexing(ctx, EventIndexing::default())
+    }
+
+    /// As [`FeatureContext::new`], counting ages with `indexing`.
+    pub fn with_indexing(ctx: &'a DecisionContext, indexing: EventIndexing) -> Result<Self> {
         let (order, steps) = sorted_events(ctx)?;
         let n = order.len();
         let (canon, multiplicity) = dedup_by_hash(ctx, &order);
@@ -139,7 +211,14 @@ impl<'a> FeatureContext<'a> {
                 1.0
             };
             let event = &ctx.events[order[pos]];
-            cand.push(candidate_features(ctx, event, &pool, &witness_pool, mult));
+            cand.push(candidate_features(
+                ctx,
+                event,
+                &pool,
+                &witness_pool,
+                mult,
+                indexing,
+            ));
         }
         Ok(FeatureContext {
             ctx,
@@ -148,7 +227,25 @@ impl<'a> FeatureContext<'a> {
             canon,
             pool,
             cand,
+            indexing,
+            log: RefCell::new(None),
         })
+    }
+
+    /// Starts recording every query [`FeatureContext::features`] answers (for audits: which states a
+    /// composition visited); [`FeatureContext::take_queries`] returns them.
+    pub fn log_queries(&self) {
+        *self.log.borrow_mut() = Some(Vec::new());
+    }
+
+    /// The queries recorded since [`FeatureContext::log_queries`] (empty when not logging).
+    pub fn take_queries(&self) -> Vec<Query> {
+        self.log.borrow_mut().take().unwrap_or_default()
+    }
+
+    /// How this context counts ages.
+    pub fn indexing(&self) -> EventIndexing {
+        self.indexing
     }
 
     /// The decision this context describes.
@@ -183,6 +280,11 @@ impl<'a> FeatureContext<'a> {
 
     /// The 28 features of `candidate` given the selected `set` (steps of events of the decision).
     pub fn features(&self, candidate: usize, set: &[usize]) -> Result<[f32; NUM_FEATURES]> {
+        if let Some(log) = self.log.borrow_mut().as_mut() {
+            let mut sorted = set.to_vec();
+            sorted.sort_unstable();
+            log.push((candidate, sorted));
+        }
         let pos = self.position(candidate)?;
         let mut out = [0f32; NUM_FEATURES];
         out[..CANDIDATE_FEATURES].copy_from_slice(&self.cand[pos]);
@@ -204,7 +306,7 @@ impl<'a> FeatureContext<'a> {
             let gap = s.abs_diff(m);
             min_gap = min_gap.min(gap);
             sum_gap += gap;
-            n_recent += usize::from(t - m <= 5);
+            n_recent += usize::from(self.indexing.age(t, m) <= 5);
             n_witness += usize::from(self.ctx.events[self.order[mp]].witness);
             min_step = min_step.min(m);
             duplicate |= self.canon[mp] == self.canon[pos];
@@ -290,10 +392,11 @@ fn candidate_features(
     pool: &[usize],
     witness_pool: &[usize],
     mult: f64,
+    indexing: EventIndexing,
 ) -> [f32; CANDIDATE_FEATURES] {
     let t = ctx.t;
     let s = e.step;
-    let age = (t - s) as f64;
+    let age = indexing.age(t, s) as f64;
     let rank = pool.len() - pool.partition_point(|&p| p <= s);
     let witness_rank = if e.witness {
         (witness_pool.len() - witness_pool.partition_point(|&p| p <= s)) as f64
@@ -310,7 +413,7 @@ fn candidate_features(
         age,
         age.ln(),
         rank as f64,
-        s as f64 / (t - 1).max(1) as f64,
+        indexing.event(s) as f64 / (t - 1).max(1) as f64,
         flag(age <= 2.0),
         flag(age <= 3.0),
         flag(age <= 5.0),

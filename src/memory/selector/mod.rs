@@ -18,17 +18,25 @@
 //!
 //! # Definitions
 //!
-//! Notation: `t` is the current decision step (completed steps are `1..t-1`), `s` a candidate's step,
-//! `age = t - s` (≥ 1). These follow the authors' deployment code (`mobileworld_selector_features.py`,
-//! laid out as `selector_v4_features.py`):
+//! Notation: `t` is the current decision step (completed steps are `1..t-1`), `s` a candidate's step.
+//! These follow the authors' feature code, `selector_v4_features.py` (desktop, where their selectors
+//! are trained) and `mobileworld_selector_features.py` (their MobileWorld deployment, laid out the same):
 //!
+//! * **Event indexing** ([`EventIndexing`]): the two count ages differently. On desktop a history
+//!   entry `k` carries the action taken from the post-action frame of event `k − 1`, so recall's step
+//!   `s` (screen `x_s`, action `a_s`) is their event `e = s − 1` and `age = t − e = t − s + 1`
+//!   ([`EventIndexing::Desktop`], the default); the mobile deployment uses `e = s`, `age = t − s`
+//!   ([`EventIndexing::Mobile`]) with the same thresholds, so a desktop-trained selector served there
+//!   sees every age one smaller than in training. A scorer file records the indexing it was trained
+//!   with (`event_indexing`) and is served with it.
 //! * **Pool** ([`dedup_pool`]): events deduplicated by `image_hash`, keeping the most recent event of
 //!   each hash; ascending steps. An older event with the same hash is an *alias* of the kept one.
 //! * **Recent-B** ([`recent_b`]): the `min(B, n)` largest steps among all events (no dedup).
 //! * `age`; `log_age = ln(age)`; `recency_rank` = number of pool events with a larger step (0 = the
-//!   most recent pool event); `relative_position = s / max(t-1, 1)`; `in_recent_1/2/4/8` =
-//!   `age ≤ 2/3/5/9` (the window of `B` recent events ends at `t-1`, so "in Recent-B" is `age ≤ B+1`);
-//!   `pool_size` = pool length; `trajectory_length = t - 1`.
+//!   most recent pool event); `relative_position = e / max(t-1, 1)`; `in_recent_1/2/4/8` =
+//!   `age ≤ 2/3/5/9` (desktop: exactly the last `B` completed steps `t-B..t-1`, i.e. Recent-B when every
+//!   completed step is an event; mobile: one step more); `pool_size` = pool length;
+//!   `trajectory_length = t - 1`.
 //! * `witness_match` = the event's `witness` flag; `witness_count` = number of pool events that are
 //!   witnesses; `witness_rank` = number of pool witnesses with a larger step (−1 if not a witness).
 //! * One-hot of `next_bucket` (click, type, key, scroll, other).
@@ -37,8 +45,8 @@
 //!   or the event is not a witness.
 //! * `dedup_multiplicity`: for a pool event, 1 + the number of its aliases; 1 for an alias.
 //! * Set context for a non-empty `S`: `set_size = |S|`; `min/mean_age_gap_to_set` over `|s - s'|`;
-//!   `n_recent_in_set` = members with age ≤ 5; `n_witness_in_set`; `witness_redundancy` = the
-//!   candidate is a witness and `S` holds one; `event_older_than_set` = `s < min(S)`;
+//!   `n_recent_in_set` = members with age ≤ 5 (desktop: members in the last 4 steps);
+//!   `n_witness_in_set`; `witness_redundancy` = the candidate is a witness and `S` holds one; `event_older_than_set` = `s < min(S)`;
 //!   `duplicate_of_set_member` = some member has the candidate's image hash. Empty `S` gives
 //!   `[0, −1, −1, 0, 0, 0, 0, 0]`.
 //!
@@ -57,6 +65,10 @@
 //! `fc3(gelu(fc2(gelu(fc1((x - mean) / std)))))` with the exact (erf) GELU, as in PyTorch's
 //! `nn.GELU()`. `tools/convert_selector_pt.py` writes this file from the reference trainer's
 //! `marginal_scorer.pt`.
+//! `event_indexing` = `desktop` or `mobile` ([`EventIndexing`]; a file without it was written before
+//! recall recorded it and is served with `mobile`, the `t − s` it was used with, and a warning);
+//! `feature_mask` = the features `recall selector train --mask-features` cut (their `fc1` columns
+//! are zero, so serving needs nothing for them).
 //!
 //! # Layout
 //!
@@ -77,8 +89,11 @@ mod reference;
 mod scorer;
 
 pub use allocation::{Allocation, ComposeOptions, Mode, Swap};
-pub use compose::{compose, compose_with};
-pub use feature::{dedup_pool, features, recent_b, ActionBucket, DecisionContext, EventInfo, FeatureContext};
+pub use compose::{compose, compose_logged, compose_with};
+pub use feature::{
+    dedup_pool, features, recent_b, ActionBucket, DecisionContext, EventIndexing, EventInfo, FeatureContext,
+    Query,
+};
 pub use model::{MarginalModel, Negated};
 pub(crate) use reference::beam_search;
 pub use scorer::{MarginalScorer, ScorerParams};

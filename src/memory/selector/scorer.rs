@@ -1,12 +1,13 @@
 //! The learned marginal scorer: loading (safetensors, layout in the module docs of [`super`]),
 //! validation and the batched forward pass.
 
+use std::collections::HashMap;
 use std::path::Path;
 
 #[cfg(target_arch = "x86_64")]
 use super::kernels::dense_avx2;
 use super::kernels::{dense, madd, LANES, ROWS};
-use super::{MarginalModel, FEATURE_NAMES, NUM_FEATURES, SCORER_FORMAT};
+use super::{EventIndexing, MarginalModel, FEATURE_NAMES, NUM_FEATURES, SCORER_FORMAT};
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 
@@ -37,6 +38,8 @@ pub struct MarginalScorer {
     b2: Vec<f32>,
     w3: Vec<f32>,
     b3: f32,
+    /// How the features it was trained on counted ages.
+    indexing: EventIndexing,
 }
 
 /// The raw parameters of a [`MarginalScorer`], row-major as in PyTorch.
@@ -53,6 +56,25 @@ pub struct ScorerParams {
     /// `[1, H]`.
     pub fc3_weight: Vec<f32>,
     pub fc3_bias: f32,
+}
+
+/// The file's `event_indexing`. A file written before recall recorded it was trained and served with
+/// `age = t − s` ([`EventIndexing::Mobile`]), so that is what it keeps, with a warning.
+fn file_indexing(metadata: &HashMap<String, String>, path: &Path) -> Result<EventIndexing> {
+    match metadata.get("event_indexing") {
+        Some(v) => v.parse().map_err(|e: Error| Error::Safetensors {
+            path: path.to_path_buf(),
+            message: format!("metadata event_indexing: {e}"),
+        }),
+        None => {
+            tracing::warn!(
+                "{}: no event_indexing metadata; using `mobile` (age t-s), the indexing recall used \
+                 before it was recorded (retrain, reconvert, or pass --event-indexing)",
+                path.display()
+            );
+            Ok(EventIndexing::Mobile)
+        }
+    }
 }
 
 fn bad_params(what: String) -> Error {
@@ -115,10 +137,12 @@ impl MarginalScorer {
             fc3_weight: get("fc3.weight", &[1, h])?,
             fc3_bias: get("fc3.bias", &[1])?[0],
         };
-        Self::from_params(&params).map_err(|e| match e {
+        let indexing = file_indexing(&ckpt.metadata, path)?;
+        let scorer = Self::from_params(&params).map_err(|e| match e {
             Error::InvalidRequest(m) => meta_err(m),
             other => other,
-        })
+        })?;
+        Ok(scorer.with_indexing(indexing))
     }
 
     /// Builds a scorer from raw parameters; the hidden size comes from `fc1_bias`.
@@ -201,12 +225,24 @@ impl MarginalScorer {
             b2: pad(&p.fc2_bias),
             w3: pad(&p.fc3_weight),
             b3: p.fc3_bias,
+            indexing: EventIndexing::default(),
         })
     }
 
     /// The hidden width `H`.
     pub fn hidden(&self) -> usize {
         self.hidden
+    }
+
+    /// How the features this scorer was trained on count ages (the file's `event_indexing`).
+    pub fn indexing(&self) -> EventIndexing {
+        self.indexing
+    }
+
+    /// The same scorer, told its features count ages with `indexing`.
+    pub fn with_indexing(mut self, indexing: EventIndexing) -> Self {
+        self.indexing = indexing;
+        self
     }
 
     /// Scores up to `ROWS` rows (the rest of the block is padding).
