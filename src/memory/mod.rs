@@ -6,4 +6,5 @@ pub mod episode;
 pub mod policy;
 pub mod protocol;
 pub mod selector;
+pub mod selector_labels;
 pub mod selector_train;
