@@ -155,7 +155,7 @@ pub fn dedup_pool(ctx: &DecisionContext) -> Result<Vec<usize>> {
 /// let ctx = DecisionContext { t: 5, reference_point: None, events: (1..5).map(ev).collect() };
 /// let fc = FeatureContext::new(&ctx)?;
 /// let f = fc.features(2, &[4])?;
-/// assert_eq!(f[0], 3.0); // age
+/// assert_eq!(f[0], 4.0); // age: t − s + 1 in the desktop count (the default indexing)
 /// assert_eq!(f[20], 1.0); // set_size
 /// # Ok::<(), recall::Error>(())
 /// ```
