@@ -82,6 +82,35 @@ fn generate_runs_and_reports() {
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     let n = v["tokens"].as_array().unwrap().len();
     assert!((1..=5).contains(&n), "{v}");
+    assert_eq!(
+        v["load_ops"],
+        serde_json::json!([]),
+        "no profile without --profile"
+    );
+    assert!(v["timings"]["load_seconds"].as_f64().unwrap() > 0.0, "{v}");
+
+    // --profile times the load too: packing the weights is an op inside the load's wall time,
+    // and profiling changes no token.
+    let o = recall(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "Hello",
+        "--max-tokens",
+        "5",
+        "--json",
+        "--profile",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("load: "), "{}", stderr(&o));
+    let p: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(p["tokens"], v["tokens"]);
+    let ops = p["load_ops"].as_array().unwrap();
+    let pack = ops.iter().find(|o| o["op"] == "pack").expect("a pack op");
+    assert!(pack["calls"].as_u64().unwrap() > 0, "{pack}");
+    let sum: f64 = ops.iter().map(|o| o["seconds"].as_f64().unwrap()).sum();
+    assert!(sum <= p["timings"]["load_seconds"].as_f64().unwrap(), "{p}");
 }
 
 #[test]

@@ -95,7 +95,13 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
 }
 
 fn generate_on<B: Backend>(be: B, a: &GenerateArgs) -> Result<()> {
+    // With --profile the load is timed too: its wall time and the backend's ops in it (packing).
+    be.set_profiling(a.profile);
+    let load_start = std::time::Instant::now();
     let p = load(be, &a.model)?;
+    let load_seconds = load_start.elapsed().as_secs_f64();
+    let load_ops = p.backend.take_profile()?;
+    p.backend.set_profiling(false);
     let messages = match &a.messages {
         Some(path) => read_messages(path)?,
         None => vec![ChatMessage::text("user", a.prompt.clone().unwrap_or_default())],
@@ -127,6 +133,8 @@ fn generate_on<B: Backend>(be: B, a: &GenerateArgs) -> Result<()> {
         .then(|| recall::backend::cpu::peak::fma_peak_gflops(100))
         .flatten();
     if a.profile {
+        eprintln!("load: {load_seconds:.3} s wall");
+        eprint!("{}", ops_table("load", &load_ops));
         if !stats.vision_ops.is_empty() {
             eprint!("{}", ops_table("vision", &stats.vision_ops));
         }
@@ -147,11 +155,13 @@ fn generate_on<B: Backend>(be: B, a: &GenerateArgs) -> Result<()> {
             "finish_reason": format!("{:?}", out.finish),
             "backend": p.backend.describe(),
             "timings": {
+                "load_seconds": load_seconds,
                 "vision_seconds": input.vision_seconds,
                 "prefill_seconds": stats.prefill_seconds,
                 "decode_seconds": stats.decode_seconds,
                 "decode_steps": stats.decode_steps,
             },
+            "load_ops": load_ops,
             "vision_ops": stats.vision_ops,
             "prefill_ops": stats.prefill_ops,
             "decode_ops": stats.decode_ops,

@@ -48,8 +48,15 @@ impl<B: Backend> Pipeline<B> {
     /// ```
     pub fn load(backend: B, model_dir: &Path, tokenizer: Option<&Path>) -> Result<Self> {
         let tok_path = tokenizer.map_or_else(|| model_dir.join("tokenizer.json"), Path::to_path_buf);
-        let tokenizer = Tokenizer::from_file(&tok_path)?;
-        let model = QwenVl::load(&backend, model_dir)?;
+        // The tokenizer (a BPE vocabulary of ~150k entries to parse) loads on its own thread while
+        // the weights are mapped and packed on this one.
+        let (tokenizer, model) = std::thread::scope(|s| {
+            let tokenizer = s.spawn(|| Tokenizer::from_file(&tok_path));
+            let model = QwenVl::load(&backend, model_dir);
+            let tokenizer = tokenizer.join().expect("the tokenizer thread does not panic");
+            (tokenizer, model)
+        });
+        let (tokenizer, model) = (tokenizer?, model?);
         let pre_path = model_dir.join("preprocessor_config.json");
         let preprocess = if pre_path.exists() {
             PreprocessConfig::from_file(&pre_path)?

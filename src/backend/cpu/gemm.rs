@@ -81,16 +81,49 @@ impl Packed {
     pub fn new(n: usize, k: usize, elem: Elem, row: impl Fn(usize) -> RowBits + Sync) -> Packed {
         let panels = n.div_ceil(NR);
         let data = match elem {
-            Elem::F32 => PanelData::F32(pack(panels, n, k, |c| match row(c) {
-                RowBits::F32(v) => v,
-                RowBits::Half(_) => unreachable!("an f32 weight gives f32 rows"),
-            })),
+            Elem::F32 => {
+                let rows: Vec<Vec<f32>> = (0..n)
+                    .map(|c| match row(c) {
+                        RowBits::F32(v) => v,
+                        RowBits::Half(_) => unreachable!("an f32 weight gives f32 rows"),
+                    })
+                    .collect();
+                PanelData::F32(pack(panels, n, k, |c, i| rows[c][i]))
+            }
             Elem::Bf16 | Elem::F16 => {
-                let bits = pack(panels, n, k, |c| match row(c) {
-                    RowBits::Half(v) => v,
-                    RowBits::F32(_) => unreachable!("a 16-bit weight gives 16-bit rows"),
-                });
+                let rows: Vec<Vec<u16>> = (0..n)
+                    .map(|c| match row(c) {
+                        RowBits::Half(v) => v,
+                        RowBits::F32(_) => unreachable!("a 16-bit weight gives 16-bit rows"),
+                    })
+                    .collect();
+                let bits = pack(panels, n, k, |c, i| rows[c][i]);
                 if elem == Elem::Bf16 {
+                    PanelData::Bf16(bits)
+                } else {
+                    PanelData::F16(bits)
+                }
+            }
+        };
+        Packed { k, n, data }
+    }
+
+    /// Packs `W: [n, k]` straight from its row-major storage (a memory-mapped checkpoint's bytes):
+    /// no row is copied out first and no panel is zeroed before it is written.
+    pub fn from_row_major(n: usize, k: usize, w: RowMajor<'_>) -> Packed {
+        let panels = n.div_ceil(NR);
+        let data = match w {
+            RowMajor::F32(v) => {
+                assert_eq!(v.len(), n * k, "an [n, k] weight");
+                PanelData::F32(pack(panels, n, k, |c, i| v[c * k + i]))
+            }
+            RowMajor::Bf16(b) | RowMajor::F16(b) => {
+                assert_eq!(b.len(), 2 * n * k, "an [n, k] weight of 16-bit words");
+                let bits = pack(panels, n, k, |c, i| {
+                    let at = 2 * (c * k + i);
+                    u16::from_le_bytes([b[at], b[at + 1]])
+                });
+                if matches!(w, RowMajor::Bf16(_)) {
                     PanelData::Bf16(bits)
                 } else {
                     PanelData::F16(bits)
@@ -115,26 +148,45 @@ pub enum RowBits {
     Half(Vec<u16>),
 }
 
-fn pack<T: Copy + Default + Send>(
+/// A weight `[n, k]` as stored, row-major: f32 values or little-endian 16-bit words.
+#[derive(Debug, Clone, Copy)]
+pub enum RowMajor<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u8]),
+    F16(&'a [u8]),
+}
+
+/// Panels `[panels][k][NR]` with `at(c, i)` = `W[c][i]` (zero past `n`). Every element is written
+/// exactly once, so the buffer is never zeroed first (fresh pages are zeroed by the kernel anyway:
+/// a second pass over gigabytes of panels was the largest cost of loading).
+fn pack<T: Copy + Default + Send + Sync>(
     panels: usize,
     n: usize,
     k: usize,
-    row: impl Fn(usize) -> Vec<T> + Sync,
+    at: impl Fn(usize, usize) -> T + Sync,
 ) -> Vec<T> {
-    let mut out = vec![T::default(); panels * k * NR];
-    out.par_chunks_mut((k * NR).max(1))
+    /// Steps of `k` per tile: the tile's `NR` source rows are read in runs of this many elements.
+    const TILE: usize = 64;
+    let len = panels * k * NR;
+    let mut out: Vec<T> = Vec::with_capacity(len);
+    out.spare_capacity_mut()[..len]
+        .par_chunks_mut((k * NR).max(1))
         .enumerate()
         .for_each(|(p, panel)| {
-            for j in 0..NR {
-                let c = p * NR + j;
-                if c >= n {
-                    break;
-                }
-                for (i, v) in row(c).into_iter().enumerate() {
-                    panel[i * NR + j] = v;
+            for i0 in (0..k).step_by(TILE) {
+                let i1 = (i0 + TILE).min(k);
+                for j in 0..NR {
+                    let c = p * NR + j;
+                    for i in i0..i1 {
+                        panel[i * NR + j].write(if c < n { at(c, i) } else { T::default() });
+                    }
                 }
             }
         });
+    // SAFETY: the chunks cover `out[..len]` (the last one may be short only when `k * NR` is 0,
+    // then `len` is 0) and the loops above write every element of every chunk once:
+    // `i` in `0..k`, `j` in `0..NR`.
+    unsafe { out.set_len(len) };
     out
 }
 

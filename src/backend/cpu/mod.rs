@@ -128,45 +128,25 @@ impl CpuWeight {
     /// The weight `[n, k]` as GEMM panels, packed on first use (in its stored element type).
     fn packed(&self) -> &gemm::Packed {
         self.packed.get_or_init(|| {
+            let _op = profile::start("pack");
             let (n, k) = (self.shape[0], self.row_len());
-            let elem = match &self.storage {
-                Storage::Owned(_)
-                | Storage::Mapped {
-                    dtype: Dtype::F32, ..
-                } => gemm::Elem::F32,
-                Storage::Mapped {
-                    dtype: Dtype::BF16, ..
-                } => gemm::Elem::Bf16,
-                Storage::Mapped {
-                    dtype: Dtype::F16, ..
-                } => gemm::Elem::F16,
+            let storage = match &self.storage {
+                Storage::Owned(v) => gemm::RowMajor::F32(v),
+                Storage::Mapped { dtype, file, range } => {
+                    let bytes = &file.data()[range.clone()];
+                    match dtype {
+                        // SAFETY: `load_weight` only keeps F32 data mapped when it is 4-byte
+                        // aligned; every bit pattern is a valid f32.
+                        Dtype::F32 => gemm::RowMajor::F32(unsafe {
+                            std::slice::from_raw_parts(bytes.as_ptr().cast::<f32>(), bytes.len() / 4)
+                        }),
+                        Dtype::BF16 => gemm::RowMajor::Bf16(bytes),
+                        Dtype::F16 => gemm::RowMajor::F16(bytes),
+                    }
+                }
             };
-            gemm::Packed::new(n, k, elem, |c| self.row_bits(c))
+            gemm::Packed::from_row_major(n, k, storage)
         })
-    }
-
-    /// Row `c` as stored: f32 values, or the 16-bit patterns of a bf16/f16 weight.
-    fn row_bits(&self, c: usize) -> gemm::RowBits {
-        let k = self.row_len();
-        match &self.storage {
-            Storage::Mapped {
-                dtype: Dtype::BF16 | Dtype::F16,
-                file,
-                range,
-            } => {
-                let bytes = &file.data()[range.clone()][c * k * 2..(c + 1) * k * 2];
-                gemm::RowBits::Half(
-                    bytes
-                        .chunks_exact(2)
-                        .map(|b| u16::from_le_bytes([b[0], b[1]]))
-                        .collect(),
-                )
-            }
-            _ => {
-                let mut buf = Vec::new();
-                gemm::RowBits::F32(self.row(c, &mut buf).to_vec())
-            }
-        }
     }
 }
 
