@@ -5,11 +5,11 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
-use image::{Rgb, RgbImage};
 use serde::Serialize;
 
 use crate::action::{equivalent, parse_response};
 use crate::agent::causalcache::{prompt_for, EpisodeMemo, StepReport};
+use crate::agent::chart::{write_margin_histogram, MarginPoint};
 use crate::agent::eval::{percentile_interval, BootstrapConfig, Interval, SplitMix64};
 use crate::agent::labels::label_context;
 use crate::engine::Session;
@@ -375,59 +375,15 @@ impl PolicyEvaluation {
     }
 }
 
-/// A histogram of the per-step margins `Q(S) − Q(Recent-B)` as a PNG: 24 bins between the smallest
-/// and largest margin, steps that kept Recent-B (margin exactly 0) in grey, positive margins in
-/// green, negative in red, and a black line at zero.
+/// A histogram of the per-step margins `Q(S) − Q(Recent-B)` as a PNG
+/// ([`write_margin_histogram`]: 24 bins, kept steps grey, reallocated green or red, zero marked).
 pub fn write_margin_chart(rows: &[EvalStep], path: &Path) -> Result<()> {
-    const BINS: usize = 24;
-    const W: u32 = 600;
-    const H: u32 = 300;
-    const PAD: u32 = 20;
-    let margins: Vec<f64> = rows.iter().map(|r| r.margin).collect();
-    let lo = margins.iter().copied().fold(0.0, f64::min);
-    let hi = margins.iter().copied().fold(0.0, f64::max);
-    let span = if hi > lo { hi - lo } else { 1.0 };
-    let bin = |m: f64| (((m - lo) / span * BINS as f64) as usize).min(BINS - 1);
-    let mut kept = [0usize; BINS];
-    let mut moved = [0usize; BINS];
-    for r in rows {
-        if r.allocation == r.recent {
-            kept[bin(r.margin)] += 1;
-        } else {
-            moved[bin(r.margin)] += 1;
-        }
-    }
-    let top = (0..BINS).map(|i| kept[i] + moved[i]).max().unwrap_or(0).max(1) as f64;
-    let mut img = RgbImage::from_pixel(W, H, Rgb([255, 255, 255]));
-    let plot_w = W - 2 * PAD;
-    let plot_h = H - 2 * PAD;
-    let bar_w = plot_w / BINS as u32;
-    for i in 0..BINS {
-        let x0 = PAD + i as u32 * bar_w;
-        let centre = lo + (i as f64 + 0.5) / BINS as f64 * span;
-        let colour = if centre >= 0.0 {
-            Rgb([52, 168, 83])
-        } else {
-            Rgb([234, 67, 53])
-        };
-        let h_moved = (moved[i] as f64 / top * plot_h as f64) as u32;
-        let h_kept = (kept[i] as f64 / top * plot_h as f64) as u32;
-        for x in x0 + 1..x0 + bar_w.saturating_sub(1).max(1) {
-            for y in 0..h_kept {
-                img.put_pixel(x, H - PAD - 1 - y, Rgb([160, 160, 160]));
-            }
-            for y in h_kept..h_kept + h_moved {
-                img.put_pixel(x, H - PAD - 1 - y, colour);
-            }
-        }
-    }
-    let zero_x = PAD + ((0.0 - lo) / span * plot_w as f64) as u32;
-    for y in PAD..H - PAD {
-        img.put_pixel(zero_x.min(W - 1), y, Rgb([0, 0, 0]));
-    }
-    for x in PAD..W - PAD {
-        img.put_pixel(x, H - PAD, Rgb([0, 0, 0]));
-    }
-    img.save(path)
-        .map_err(|e| Error::InvalidRequest(format!("writing {}: {e}", path.display())))
+    let points: Vec<MarginPoint> = rows
+        .iter()
+        .map(|r| MarginPoint {
+            margin: r.margin,
+            reallocated: r.allocation != r.recent,
+        })
+        .collect();
+    write_margin_histogram(&points, path)
 }
