@@ -67,6 +67,9 @@ fn every_path_computes_the_definition_bitwise() {
         (200, 17, 64),
         (2, 40, 0),
         (6, 32, 256),
+        // Past the rows where bf16 blocks are widened once: several runs of widened panels, two
+        // blocks of k, two chunks of rows.
+        (100, 130, 1100),
     ] {
         for elem in [Elem::F32, Elem::Bf16, Elem::F16] {
             let (packed, w) = weight(&mut rng, n, k, elem);

@@ -377,35 +377,31 @@ fn draw_margins(
             BLACK.stroke_width(2),
         )))
         .map_err(|e| e.to_string())?;
+    let (items, note) = margin_legend(points);
+    draw_legend(&legend_area, &items, &note).map_err(|e| e.to_string())?;
+    root.present().map_err(|e| e.to_string())?;
+    Ok(centres)
+}
+
+/// The margin chart's legend: a swatch per segment with its step count, and the mean margin.
+fn margin_legend(points: &[MarginPoint]) -> ([(RGBColor, String); 3], [String; 2]) {
     let count = |f: &dyn Fn(&MarginPoint) -> bool| points.iter().filter(|p| f(p)).count();
+    let gain = count(&|p| p.reallocated && p.margin >= 0.0);
+    let loss = count(&|p| p.reallocated && p.margin < 0.0);
     let items = [
         (
             rgb(MARGIN_KEPT),
             format!("kept Recent-B ({})", count(&|p| !p.reallocated)),
         ),
-        (
-            rgb(MARGIN_GAIN),
-            format!(
-                "reallocated, margin ≥ 0 ({})",
-                count(&|p| p.reallocated && p.margin >= 0.0)
-            ),
-        ),
-        (
-            rgb(MARGIN_LOSS),
-            format!(
-                "reallocated, margin < 0 ({})",
-                count(&|p| p.reallocated && p.margin < 0.0)
-            ),
-        ),
+        (rgb(MARGIN_GAIN), format!("reallocated, margin ≥ 0 ({gain})")),
+        (rgb(MARGIN_LOSS), format!("reallocated, margin < 0 ({loss})")),
     ];
     let mean = points.iter().map(|p| p.margin).sum::<f64>() / points.len().max(1) as f64;
     let note = [
         format!("mean margin {mean:.4}"),
         "black line: margin 0".to_string(),
     ];
-    draw_legend(&legend_area, &items, &note).map_err(|e| e.to_string())?;
-    root.present().map_err(|e| e.to_string())?;
-    Ok(centres)
+    (items, note)
 }
 
 /// The legend panel: a swatch and a label per item, then notes, from the panel's top left.

@@ -301,6 +301,9 @@ pub fn gemm_with(isa: Isa, x: &[f32], m: usize, w: &Packed, bias: Option<&[f32]>
 /// the L2 cache), then groups of `NP` panels (their `KC` steps kept in L1/L2), then tiles of `MR`
 /// rows.
 fn panel_range(isa: Isa, x: &[f32], m: usize, w: &Packed, p0: usize, p1: usize, y: &mut [f32]) {
+    if matches!(w.data, PanelData::Bf16(_)) && m >= WIDEN_ROWS {
+        return widened_range(isa, x, m, w, p0, p1, y);
+    }
     let (k, n) = (w.k, w.n);
     let mut tile: TileBuf = [[0f32; NP * NR]; MR];
     for k0 in (0..k).step_by(KC) {
@@ -342,6 +345,81 @@ fn panel_range(isa: Isa, x: &[f32], m: usize, w: &Packed, p0: usize, p1: usize, 
             }
         }
     }
+}
+
+/// Rows from which a bf16 weight is widened to f32 once per block instead of at every load of
+/// the micro-kernel: below it the kernel's own widening is cheaper than a pass over the block.
+const WIDEN_ROWS: usize = 32;
+/// Panels widened at a time: `WIDEN_PANELS · KC · 16` f32 (1.5 MiB, in L3 beside a 384 KiB chunk
+/// of `x`). Every run streams all rows of `x` once more, so runs must be long; 6 and 48 panels
+/// measured slower than 24 on the 2B MLP shapes (docs/PERFORMANCE.md, 2026-12-04).
+const WIDEN_PANELS: usize = 8 * NP;
+
+thread_local! {
+    /// Each thread's widened block, reused across calls.
+    static WIDENED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// [`panel_range`] for a bf16 weight and many rows: runs of `WIDEN_PANELS` panels, and within one,
+/// each block of `k` widened to f32 (exactly: bf16 → f32 is a shift) into a thread's buffer, then
+/// the f32 micro-kernel over it for every row. Each output element's chain still runs over `k` in
+/// order from 0, so every bit equals [`panel_range`]'s.
+fn widened_range(isa: Isa, x: &[f32], m: usize, w: &Packed, p0: usize, p1: usize, y: &mut [f32]) {
+    let (k, n) = (w.k, w.n);
+    let PanelData::Bf16(bits) = &w.data else {
+        unreachable!("only bf16 panels are widened")
+    };
+    WIDENED.with_borrow_mut(|buf| {
+        buf.resize(WIDEN_PANELS * KC * NR, 0.0);
+        let mut tile: TileBuf = [[0f32; NP * NR]; MR];
+        for s0 in (p0..p1).step_by(WIDEN_PANELS) {
+            let s1 = (s0 + WIDEN_PANELS).min(p1);
+            for k0 in (0..k).step_by(KC) {
+                let kc = KC.min(k - k0);
+                for p in s0..s1 {
+                    let src = &bits[p * k * NR + k0 * NR..p * k * NR + (k0 + kc) * NR];
+                    let dst = &mut buf[(p - s0) * kc * NR..(p - s0 + 1) * kc * NR];
+                    for (d, &b) in dst.iter_mut().zip(src) {
+                        *d = f32::from_bits(u32::from(b) << 16);
+                    }
+                }
+                for m0 in (0..m).step_by(MC) {
+                    let m1 = (m0 + MC).min(m);
+                    let mut p = s0;
+                    while p < s1 {
+                        let np = (s1 - p).min(NP);
+                        let c0 = p * NR;
+                        let cols = (np * NR).min(n - c0);
+                        for r0 in (m0..m1).step_by(MR) {
+                            let mr = MR.min(m1 - r0);
+                            for (i, t) in tile.iter_mut().enumerate().take(mr) {
+                                t.fill(0.0);
+                                if k0 > 0 {
+                                    t[..cols]
+                                        .copy_from_slice(&y[(r0 + i) * n + c0..(r0 + i) * n + c0 + cols]);
+                                }
+                            }
+                            // The widened block's steps run from 0: `x` starts at column `k0`.
+                            let t = Tile {
+                                x: &x[r0 * k + k0..],
+                                ldx: k,
+                                k0: 0,
+                                kc,
+                                mr,
+                                np,
+                            };
+                            let panels = Weights::F32(&buf[(p - s0) * kc * NR..]);
+                            kernel(isa, &t, panels, kc, &mut tile);
+                            for (i, t) in tile.iter().enumerate().take(mr) {
+                                y[(r0 + i) * n + c0..(r0 + i) * n + c0 + cols].copy_from_slice(&t[..cols]);
+                            }
+                        }
+                        p += np;
+                    }
+                }
+            }
+        }
+    });
 }
 
 /// One micro-kernel call: rows `0..mr` of `x` (row stride `ldx`), steps `k0..k0 + kc`, `np`
