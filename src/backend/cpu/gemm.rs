@@ -304,46 +304,22 @@ fn panel_range(isa: Isa, x: &[f32], m: usize, w: &Packed, p0: usize, p1: usize, 
     if matches!(w.data, PanelData::Bf16(_)) && m >= WIDEN_ROWS {
         return widened_range(isa, x, m, w, p0, p1, y);
     }
-    let (k, n) = (w.k, w.n);
+    let k = w.k;
     let mut tile: TileBuf = [[0f32; NP * NR]; MR];
     for k0 in (0..k).step_by(KC) {
-        let kc = KC.min(k - k0);
-        for m0 in (0..m).step_by(MC) {
-            let m1 = (m0 + MC).min(m);
-            let mut p = p0;
-            while p < p1 {
-                let np = (p1 - p).min(NP);
-                let c0 = p * NR;
-                let cols = (np * NR).min(n - c0);
-                for r0 in (m0..m1).step_by(MR) {
-                    let mr = MR.min(m1 - r0);
-                    // Carry the partial sums of the earlier k blocks (0 for the first).
-                    for (i, t) in tile.iter_mut().enumerate().take(mr) {
-                        t.fill(0.0);
-                        if k0 > 0 {
-                            t[..cols].copy_from_slice(&y[(r0 + i) * n + c0..(r0 + i) * n + c0 + cols]);
-                        }
-                    }
-                    let t = Tile {
-                        x: &x[r0 * k..],
-                        ldx: k,
-                        k0,
-                        kc,
-                        mr,
-                        np,
-                    };
-                    match &w.data {
-                        PanelData::F32(d) => kernel(isa, &t, Weights::F32(&d[p * k * NR..]), k, &mut tile),
-                        PanelData::Bf16(d) => kernel(isa, &t, Weights::Bf16(&d[p * k * NR..]), k, &mut tile),
-                        PanelData::F16(d) => kernel(isa, &t, Weights::F16(&d[p * k * NR..]), k, &mut tile),
-                    }
-                    for (i, t) in tile.iter().enumerate().take(mr) {
-                        y[(r0 + i) * n + c0..(r0 + i) * n + c0 + cols].copy_from_slice(&t[..cols]);
-                    }
-                }
-                p += np;
-            }
-        }
+        let block = Block {
+            x,
+            k,
+            k0,
+            kc: KC.min(k - k0),
+            carry: k0 > 0,
+        };
+        let panels = |p: usize| match &w.data {
+            PanelData::F32(d) => Weights::F32(&d[p * k * NR..]),
+            PanelData::Bf16(d) => Weights::Bf16(&d[p * k * NR..]),
+            PanelData::F16(d) => Weights::F16(&d[p * k * NR..]),
+        };
+        block_pass(isa, &block, (m, w.n), (p0, p1), (panels, k), &mut tile, y);
     }
 }
 
@@ -365,7 +341,7 @@ thread_local! {
 /// the f32 micro-kernel over it for every row. Each output element's chain still runs over `k` in
 /// order from 0, so every bit equals [`panel_range`]'s.
 fn widened_range(isa: Isa, x: &[f32], m: usize, w: &Packed, p0: usize, p1: usize, y: &mut [f32]) {
-    let (k, n) = (w.k, w.n);
+    let k = w.k;
     let PanelData::Bf16(bits) = &w.data else {
         unreachable!("only bf16 panels are widened")
     };
@@ -383,43 +359,76 @@ fn widened_range(isa: Isa, x: &[f32], m: usize, w: &Packed, p0: usize, p1: usize
                         *d = f32::from_bits(u32::from(b) << 16);
                     }
                 }
-                for m0 in (0..m).step_by(MC) {
-                    let m1 = (m0 + MC).min(m);
-                    let mut p = s0;
-                    while p < s1 {
-                        let np = (s1 - p).min(NP);
-                        let c0 = p * NR;
-                        let cols = (np * NR).min(n - c0);
-                        for r0 in (m0..m1).step_by(MR) {
-                            let mr = MR.min(m1 - r0);
-                            for (i, t) in tile.iter_mut().enumerate().take(mr) {
-                                t.fill(0.0);
-                                if k0 > 0 {
-                                    t[..cols]
-                                        .copy_from_slice(&y[(r0 + i) * n + c0..(r0 + i) * n + c0 + cols]);
-                                }
-                            }
-                            // The widened block's steps run from 0: `x` starts at column `k0`.
-                            let t = Tile {
-                                x: &x[r0 * k + k0..],
-                                ldx: k,
-                                k0: 0,
-                                kc,
-                                mr,
-                                np,
-                            };
-                            let panels = Weights::F32(&buf[(p - s0) * kc * NR..]);
-                            kernel(isa, &t, panels, kc, &mut tile);
-                            for (i, t) in tile.iter().enumerate().take(mr) {
-                                y[(r0 + i) * n + c0..(r0 + i) * n + c0 + cols].copy_from_slice(&t[..cols]);
-                            }
-                        }
-                        p += np;
-                    }
-                }
+                // The widened block's steps run from 0: `x` starts at column `k0`.
+                let block = Block {
+                    x: &x[k0..],
+                    k,
+                    k0: 0,
+                    kc,
+                    carry: k0 > 0,
+                };
+                let panels = |p: usize| Weights::F32(&buf[(p - s0) * kc * NR..]);
+                block_pass(isa, &block, (m, w.n), (s0, s1), (panels, kc), &mut tile, y);
             }
         }
     });
+}
+
+/// One block of `k` as the micro-kernels see it: steps `k0..k0 + kc` of `x` (row stride `k`) and
+/// of the panels; `carry` adds to the partial sums of the earlier blocks that `y` holds.
+struct Block<'a> {
+    x: &'a [f32],
+    k: usize,
+    k0: usize,
+    kc: usize,
+    carry: bool,
+}
+
+/// One [`Block`] over rows `0..m` and panels `p0..p1` (the panels from panel `p` on, `stride`
+/// steps apart, from `panels.0(p)`): chunks of `MC` rows, groups of `NP` panels, tiles of `MR`
+/// rows.
+fn block_pass<'w>(
+    isa: Isa,
+    block: &Block<'_>,
+    (m, n): (usize, usize),
+    (p0, p1): (usize, usize),
+    (panels, stride): (impl Fn(usize) -> Weights<'w>, usize),
+    tile: &mut TileBuf,
+    y: &mut [f32],
+) {
+    for m0 in (0..m).step_by(MC) {
+        let m1 = (m0 + MC).min(m);
+        let mut p = p0;
+        while p < p1 {
+            let np = (p1 - p).min(NP);
+            let c0 = p * NR;
+            let cols = (np * NR).min(n - c0);
+            for r0 in (m0..m1).step_by(MR) {
+                let mr = MR.min(m1 - r0);
+                let rows = |i: usize| (r0 + i) * n + c0..(r0 + i) * n + c0 + cols;
+                // Carry the partial sums of the earlier k blocks (0 for the first).
+                for (i, t) in tile.iter_mut().enumerate().take(mr) {
+                    t.fill(0.0);
+                    if block.carry {
+                        t[..cols].copy_from_slice(&y[rows(i)]);
+                    }
+                }
+                let t = Tile {
+                    x: &block.x[r0 * block.k..],
+                    ldx: block.k,
+                    k0: block.k0,
+                    kc: block.kc,
+                    mr,
+                    np,
+                };
+                kernel(isa, &t, panels(p), stride, tile);
+                for (i, t) in tile.iter().enumerate().take(mr) {
+                    y[rows(i)].copy_from_slice(&t[..cols]);
+                }
+            }
+            p += np;
+        }
+    }
 }
 
 /// One micro-kernel call: rows `0..mr` of `x` (row stride `ldx`), steps `k0..k0 + kc`, `np`
