@@ -67,8 +67,7 @@ fn every_path_computes_the_definition_bitwise() {
         (200, 17, 64),
         (2, 40, 0),
         (6, 32, 256),
-        // Past the rows where bf16 blocks are widened once: several runs of widened panels, two
-        // blocks of k, two chunks of rows.
+        // Past the rows where bf16 blocks are widened once: two blocks of k, two chunks of rows.
         (100, 130, 1100),
     ] {
         for elem in [Elem::F32, Elem::Bf16, Elem::F16] {
@@ -121,5 +120,23 @@ fn a_row_does_not_depend_on_its_batch_or_the_thread_count() {
         let mut y = vec![0f32; m * n];
         pool.install(|| gemm(&x, m, &packed, None, &mut y));
         assert_eq!(bits(&y), bits(&all), "{threads} threads");
+    }
+}
+
+#[test]
+fn bf16_widened_over_several_runs_of_panels_computes_the_definition_bitwise() {
+    // On one thread a call of 3,100 columns gives each task 27 panels of 16 columns: more than
+    // one run of widened panels (24), so runs after the first start inside a task; 33 rows are
+    // past the widening threshold (32) and k spans two blocks.
+    let mut rng = fastrand::Rng::with_seed(3);
+    let (m, n, k) = (33, 3100, 1100);
+    let (packed, w) = weight(&mut rng, n, k, Elem::Bf16);
+    let x: Vec<f32> = (0..m * k).map(|_| rng.f32() * 4.0 - 2.0).collect();
+    let want = reference(&x, m, &w, n, k, None);
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+    for isa in PATHS.into_iter().filter(|i| i.available()) {
+        let mut y = vec![f32::NAN; m * n];
+        pool.install(|| gemm_with(isa, &x, m, &packed, None, &mut y));
+        assert_eq!(bits(&y), bits(&want), "{isa:?}");
     }
 }

@@ -327,8 +327,9 @@ fn panel_range(isa: Isa, x: &[f32], m: usize, w: &Packed, p0: usize, p1: usize, 
 /// the micro-kernel: below it the kernel's own widening is cheaper than a pass over the block.
 const WIDEN_ROWS: usize = 32;
 /// Panels widened at a time: `WIDEN_PANELS · KC · 16` f32 (1.5 MiB, in L3 beside a 384 KiB chunk
-/// of `x`). Every run streams all rows of `x` once more, so runs must be long; 6 and 48 panels
-/// measured slower than 24 on the 2B MLP shapes (docs/PERFORMANCE.md, 2026-12-04).
+/// of `x`). Every run streams all rows of `x` once more, so runs must be long (runs of 6 measured
+/// slower on the 2B MLP shapes, docs/PERFORMANCE.md, 2026-12-04); the cap keeps the buffer small
+/// when a task spans many panels (wide weights, few threads).
 const WIDEN_PANELS: usize = 8 * NP;
 
 thread_local! {
