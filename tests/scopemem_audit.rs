@@ -296,7 +296,7 @@ fn each_intervention_changes_exactly_its_input() {
     let base = context(&tool_call("click"), &history, tok);
 
     let mut c = base.clone();
-    intervene(&mut c, Intervention::NoHistory, None, 0, tok, 32).unwrap();
+    intervene(&mut c, Intervention::WithholdHistory, None, 0, tok, 32).unwrap();
     assert!(c.fields.summary.is_empty() && c.fields.recent_actions.is_empty());
     assert!(c.ids.summary.is_empty() && c.ids.recent_actions.is_empty());
     let mut back = c.clone();
@@ -304,7 +304,7 @@ fn each_intervention_changes_exactly_its_input() {
     back.fields.recent_actions = base.fields.recent_actions.clone();
     back.ids.summary = base.ids.summary.clone();
     back.ids.recent_actions = base.ids.recent_actions.clone();
-    assert_eq!(back, base, "no-history changes nothing else");
+    assert_eq!(back, base, "withhold-history changes nothing else");
 
     let donor = context(&tool_call("type"), &[], tok);
     let mut c = base.clone();
@@ -372,7 +372,7 @@ fn run_dataset_applies_the_intervention_and_keeps_the_plain_pass() {
     };
     let base = run(None, 0);
     let ctx = |r: &recall::agent::scopemem::DatasetResult| r.opinions.as_ref().unwrap().context.clone();
-    let no_hist = run(Some(Intervention::NoHistory), 0);
+    let no_hist = run(Some(Intervention::WithholdHistory), 0);
     for (b, n) in base.iter().zip(&no_hist) {
         assert_eq!(b.outcome.first, n.outcome.first);
         let (cb, mut cn) = (ctx(b), ctx(n));
@@ -418,6 +418,25 @@ fn run_dataset_applies_the_intervention_and_keeps_the_plain_pass() {
         .to_string();
     assert!(
         err.contains("perturb-a0") && err.contains("does not read"),
+        "{err}"
+    );
+    // The paper's history row is its own encoder: withholding history from it would change nothing.
+    let no_history = ScopeMemEncoder::load(&fixture("scopemem/variants/no-history")).unwrap();
+    let cfg = ScopeMemConfig {
+        intervention: Some(Intervention::WithholdHistory),
+        ..Default::default()
+    };
+    let err = run_dataset(
+        &mut p.session(&mut e),
+        Some(&no_history),
+        &data,
+        Some(&lines),
+        &cfg,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("withhold-history") && err.contains("does not read"),
         "{err}"
     );
 }

@@ -12,7 +12,7 @@ Writes
   per case `case{i}.{field}` (non-empty fields only), `case{i}.p0`, `case{i}.out_f32` (the float32 forward)
   and `case{i}.out_f64` (the float64 forward on the same float32 weights and inputs, rounded to float32).
 
-* tests/fixtures/scopemem/variants/{one-pass,task-only,history-only,fixed-query}/: the study's other
+* tests/fixtures/scopemem/variants/{one-pass,task-only,history-only,fixed-query,no-history}/: the study's other
   encoders (1 self + 1 cross block, otherwise TINY's shape; fixed-query has no self block), seeded
   apart from the main encoder, and variants.safetensors + variants.json: per variant and case of
   cases.json, `{variant}.case{i}.out_f32` (the float32 forward on the same inputs; a variant reads only

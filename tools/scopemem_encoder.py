@@ -36,14 +36,17 @@ from safetensors.torch import load_file, save_file
 
 # The text fields in context order; the index is the field's segment id.
 FIELDS = ("first_opinion", "task", "summary", "recent_actions")
-# The encoders of the paper's study by what they read: (fields, confidence token). Only `full` reads the
-# first opinion; the others are one-pass (their prefix exists before the actor answers).
+# The encoders of the paper's study by what they read: (fields, confidence token). `full` and `no-history`
+# read the first opinion; the others are one-pass (their prefix exists before the actor answers).
 VARIANTS = {
     "full": (FIELDS, True),
     "one-pass": (("task", "summary", "recent_actions"), False),   # the paper's "history encoder"
     "task-only": (("task",), False),
     "history-only": (("summary", "recent_actions"), False),
     "fixed-query": ((), False),                                   # the fixed-query prefix
+    # Table 7's history ablation: "removing history uses a separately trained encoder" (Appendix A.2):
+    # the full encoder's inputs less the summary and the recent actions.
+    "no-history": (("first_opinion", "task"), True),
 }
 CONFIG_FILE = "scopemem_config.json"
 WEIGHTS_FILE = "scopemem.safetensors"

@@ -30,8 +30,9 @@ Objective (docs/EVAL.md "Training objective"), only the encoder trains (the acto
     .venv-tools/bin/python tools/scopemem_train.py --dump train.jsonl --actor ACTOR --epochs 2 --out out/sm
     recall scopemem run --model ACTOR --dataset test.jsonl --encoder out/sm/encoder [--placement append]
 
-`--variant` picks what a new encoder reads (full, one-pass, task-only, history-only, fixed-query; the paper's
-controls, docs/SCOPEMEM.md "Variants"); the objective is the same for all, and a0 always comes from the dump.
+`--variant` picks what a new encoder reads (full, one-pass, task-only, history-only, fixed-query, no-history; the
+paper's controls, docs/SCOPEMEM.md "Variants"); the objective is the same for all, and a0 always comes from the dump.
+`no-history` is Table 7's history ablation, which the paper trains as a separate encoder.
 
 The encoder is exported in recall's format (scopemem_config.json + scopemem.safetensors) to OUT/encoder;
 OUT/scopemem_train_report.json holds the arguments, per-step losses and the objective on the training
@@ -483,7 +484,8 @@ def parse_args(argv=None):
     p.add_argument("--variant", choices=list(VARIANTS),
                    help="what the encoder reads (docs/SCOPEMEM.md \"Variants\"): full (default: a0, task, summary, "
                         "recent actions, p0/H0), one-pass (task, summary, recent actions), task-only, history-only "
-                        "(summary, recent actions), fixed-query (nothing)")
+                        "(summary, recent actions), fixed-query (nothing), no-history (a0, task, p0/H0: Table 7's "
+                        "separately trained history ablation)")
     p.add_argument("--init", help="start from this encoder directory instead of a fresh one")
     p.add_argument("--chat-template", help="chat template file (default: the actor's, else models/...)")
     p.add_argument("--image-root", help="directory relative image paths of the dump are resolved against first")

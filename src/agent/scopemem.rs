@@ -123,9 +123,11 @@ pub enum Intervention {
     PerturbA0,
     /// The `first_opinion` field is the a0 of another evaluated step, drawn uniformly from the seed.
     OtherA0,
-    /// The `summary` and `recent_actions` fields are empty. The paper removes history by training a
-    /// separate encoder; this keeps the encoder fixed.
-    NoHistory,
+    /// The `summary` and `recent_actions` fields are empty: recall's option. The paper's history
+    /// row "uses a separately trained encoder" (a `no-history` variant,
+    /// [`Variant::NoHistory`](crate::model::scopemem::Variant::NoHistory), evaluated as any encoder
+    /// is); this keeps the trained encoder and withholds its history.
+    WithholdHistory,
 }
 
 impl Intervention {
@@ -134,7 +136,7 @@ impl Intervention {
         match self {
             Intervention::PerturbA0 => "perturb-a0",
             Intervention::OtherA0 => "other-a0",
-            Intervention::NoHistory => "no-history",
+            Intervention::WithholdHistory => "withhold-history",
         }
     }
 
@@ -143,7 +145,7 @@ impl Intervention {
         let reads = &encoder.config().fields;
         match self {
             Intervention::PerturbA0 | Intervention::OtherA0 => reads.contains(&0),
-            Intervention::NoHistory => reads.contains(&2) || reads.contains(&3),
+            Intervention::WithholdHistory => reads.contains(&2) || reads.contains(&3),
         }
     }
 }
@@ -151,18 +153,34 @@ impl Intervention {
 impl std::str::FromStr for Intervention {
     type Err = Error;
 
-    /// `perturb-a0`, `other-a0` or `no-history`.
+    /// `perturb-a0`, `other-a0` or `withhold-history`. `no-history` is refused with the way to the
+    /// paper's history ablation, which is an encoder, not an intervention on one.
+    ///
+    /// ```
+    /// use recall::agent::scopemem::Intervention;
+    /// assert_eq!("other-a0".parse::<Intervention>().unwrap(), Intervention::OtherA0);
+    /// let e = "no-history".parse::<Intervention>().unwrap_err().to_string();
+    /// assert!(e.contains("--variant no-history") && e.contains("withhold-history"));
+    /// ```
     fn from_str(s: &str) -> Result<Self> {
+        if s == "no-history" {
+            return Err(Error::InvalidRequest(
+                "intervention `no-history`: the paper's history ablation is a separately trained \
+                 encoder (tools/scopemem_train.py --variant no-history, then --encoder THAT_DIR and \
+                 --compare); `withhold-history` keeps this encoder and empties its history fields"
+                    .into(),
+            ));
+        }
         [
             Intervention::PerturbA0,
             Intervention::OtherA0,
-            Intervention::NoHistory,
+            Intervention::WithholdHistory,
         ]
         .into_iter()
         .find(|i| i.as_str() == s)
         .ok_or_else(|| {
             Error::InvalidRequest(format!(
-                "intervention `{s}`: expected perturb-a0, other-a0 or no-history"
+                "intervention `{s}`: expected perturb-a0, other-a0 or withhold-history"
             ))
         })
     }
@@ -217,7 +235,7 @@ pub fn intervene(
     max_positions: usize,
 ) -> Result<()> {
     match intervention {
-        Intervention::NoHistory => {
+        Intervention::WithholdHistory => {
             ctx.fields.summary.clear();
             ctx.fields.recent_actions.clear();
             ctx.ids.summary.clear();

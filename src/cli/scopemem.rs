@@ -85,7 +85,8 @@ pub struct DatasetRunArgs {
     max_tokens: usize,
     /// An intervention on the encoder's inputs (the paper's Table 7; docs/EVAL.md
     /// "Interventions"): perturb-a0 (a0's action type replaced by another), other-a0 (another
-    /// step's a0) or no-history (empty summary and recent actions). Needs --encoder.
+    /// step's a0) or withhold-history (empty summary and recent actions: recall's option; the
+    /// paper's history row is an encoder trained with `--variant no-history`). Needs --encoder.
     #[arg(long, value_parser = parse_intervention)]
     intervention: Option<Intervention>,
     /// Seed of the intervention's random choices.

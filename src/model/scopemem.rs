@@ -107,9 +107,9 @@ pub struct TrainedWith {
     pub placement: Option<String>,
 }
 
-/// The encoders of the paper's study (§3, §6), by what they read. Only [`Full`](Self::Full)
-/// reads the first opinion (a0, p0, H0) and so needs the actor's first pass; the others are
-/// one-pass: their prefix is known before the actor answers.
+/// The encoders of the paper's study (§3, §6, Table 7), by what they read. [`Full`](Self::Full)
+/// and [`NoHistory`](Self::NoHistory) read the first opinion (a0, p0, H0) and so need the actor's
+/// first pass; the others are one-pass: their prefix is known before the actor answers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Variant {
     /// ScopeMem's first-opinion encoder: a0, the task, the summary, the recent actions, p0 and H0.
@@ -124,16 +124,20 @@ pub enum Variant {
     /// No inputs: 16 learned queries through the cross blocks' MLPs and the output projection (the
     /// fixed-query prefix: the same for every step).
     FixedQuery,
+    /// The full encoder's inputs less the summary and the recent actions: Table 7's history
+    /// ablation, which "uses a separately trained encoder" (Appendix A.2).
+    NoHistory,
 }
 
 impl Variant {
     /// Every variant, in the order above.
-    pub const ALL: [Variant; 5] = [
+    pub const ALL: [Variant; 6] = [
         Variant::Full,
         Variant::OnePass,
         Variant::TaskOnly,
         Variant::HistoryOnly,
         Variant::FixedQuery,
+        Variant::NoHistory,
     ];
 
     /// The name `--variant` and `scopemem_config.json` use.
@@ -144,6 +148,7 @@ impl Variant {
             Variant::TaskOnly => "task-only",
             Variant::HistoryOnly => "history-only",
             Variant::FixedQuery => "fixed-query",
+            Variant::NoHistory => "no-history",
         }
     }
 
@@ -155,6 +160,7 @@ impl Variant {
             Variant::TaskOnly => (vec![1], false),
             Variant::HistoryOnly => (vec![2, 3], false),
             Variant::FixedQuery => (vec![], false),
+            Variant::NoHistory => (vec![0, 1], true),
         }
     }
 
@@ -169,7 +175,7 @@ impl Variant {
 impl std::str::FromStr for Variant {
     type Err = Error;
 
-    /// `full`, `one-pass`, `task-only`, `history-only` or `fixed-query`.
+    /// `full`, `one-pass`, `task-only`, `history-only`, `fixed-query` or `no-history`.
     ///
     /// ```
     /// use recall::model::scopemem::Variant;
@@ -179,7 +185,7 @@ impl std::str::FromStr for Variant {
     fn from_str(s: &str) -> Result<Self> {
         Variant::ALL.into_iter().find(|v| v.name() == s).ok_or_else(|| {
             Error::InvalidRequest(format!(
-                "ScopeMem variant `{s}`: expected full, one-pass, task-only, history-only or fixed-query"
+                "ScopeMem variant `{s}`: expected full, one-pass, task-only, history-only, fixed-query or no-history"
             ))
         })
     }
