@@ -15,7 +15,7 @@ use recall::agent::causalcache::{two_pass_step, EpisodeMemo, ReferenceSource, Tw
 use recall::backend::cpu::CpuBackend;
 use recall::engine::{EngineConfig, GenerateParams, Pipeline};
 use recall::memory::episode::Episode;
-use recall::memory::policy::{AllocationPolicy, PolicyInputs, Recent};
+use recall::memory::policy::{text_similarity, AllocationPolicy, PolicyInputs, Recent};
 use recall::memory::protocol::{render_decision_with, Protocol, RestoreAs};
 use recall::memory::selector::DecisionContext;
 
@@ -261,7 +261,8 @@ impl AllocationPolicy for Recording {
 
 /// The paper's reference ladder ("Reference actions"): the witness features compare each event's
 /// following action with a reference — the gold teacher-forced target, no action signal, or the
-/// previously executed action of the single-pass variant, which "removes the second call".
+/// previously executed action of the single-pass variant, which "removes the second call", or
+/// instruction-only similarity (recall's reading: the paper does not define it).
 #[test]
 fn the_reference_ladder_gives_the_selector_the_papers_references() {
     let (p, episode) = demo();
@@ -278,6 +279,7 @@ fn the_reference_ladder_gives_the_selector_the_papers_references() {
         ReferenceSource::Gold,
         ReferenceSource::None,
         ReferenceSource::LastAction,
+        ReferenceSource::Instruction,
     ] {
         let cfg = TwoPassConfig {
             reference: source,
@@ -304,6 +306,25 @@ fn the_reference_ladder_gives_the_selector_the_papers_references() {
                 ReferenceSource::None => {
                     assert!(ctx.reference_point.is_none() && ctx.events.iter().all(|e| !e.witness));
                 }
+                ReferenceSource::Instruction => {
+                    // No action, so no reference point; the witnesses are the events whose history
+                    // line shares the most with the task (the cosine worked by hand in
+                    // tests/policy.rs), and the two passes stay.
+                    assert!(ctx.reference_point.is_none());
+                    let sims: Vec<f64> = ctx
+                        .events
+                        .iter()
+                        .map(|e| {
+                            let line = episode.steps[e.step - 1].action_line_for(platform);
+                            text_similarity(decision.instruction, &line)
+                        })
+                        .collect();
+                    let best = sims.iter().copied().fold(0.0, f64::max);
+                    for (e, x) in ctx.events.iter().zip(&sims) {
+                        assert_eq!(e.witness, best > 0.0 && *x == best, "t={t} step {}", e.step);
+                    }
+                    assert_eq!(r.pass2, r.allocation != r.recent, "t={t}");
+                }
                 _ => {
                     let last = (t > 1).then(|| action(&episode.steps[t - 2].response)).flatten();
                     witnesses(ctx, last.as_ref());
@@ -313,6 +334,11 @@ fn the_reference_ladder_gives_the_selector_the_papers_references() {
                     assert_eq!(r.response, p.tokenizer.decode_text(&fresh).unwrap(), "t={t}");
                 }
             }
+        }
+        if source == ReferenceSource::Instruction {
+            // The demo's lines share words with its task ("Open the Weather app."), so the rung
+            // is exercised, not vacuous.
+            assert!(policy.seen.iter().any(|c| c.events.iter().any(|e| e.witness)));
         }
         assert_eq!(policy.seen.len(), reports.len(), "{source:?}");
         assert!(reports.len() + 1 >= episode.decisions(), "{source:?}");

@@ -82,6 +82,11 @@ pub enum ReferenceSource {
     /// `t − 1`; none at `t = 1`) is the reference, the allocation is chosen before any pass, and one
     /// pass answers on it.
     LastAction,
+    /// Instruction-only similarity: no action reference; the witnesses are the events whose
+    /// following action's history line is most similar to the task instruction
+    /// ([`instruction_witnesses`]). The paper names this rung without defining it (its supplement
+    /// is not public); the similarity is recall's reading. Two passes, as with the proposal.
+    Instruction,
 }
 
 impl std::str::FromStr for ReferenceSource {
@@ -92,9 +97,11 @@ impl std::str::FromStr for ReferenceSource {
             "gold" => ReferenceSource::Gold,
             "none" => ReferenceSource::None,
             "last-action" => ReferenceSource::LastAction,
+            "instruction" => ReferenceSource::Instruction,
             other => {
                 return Err(Error::InvalidRequest(format!(
-                    "reference `{other}`: expected proposal (the paper), gold, none or last-action"
+                    "reference `{other}`: expected proposal (the paper), gold, none, last-action or \
+                     instruction"
                 )))
             }
         })
@@ -221,7 +228,7 @@ pub fn two_pass_step(
     let clock = Instant::now();
     let reference = match cfg.reference {
         ReferenceSource::Gold => Some(gold_reference(&decision, platform)?),
-        ReferenceSource::None => None,
+        ReferenceSource::None | ReferenceSource::Instruction => None,
         _ => parse_response(proposal.text.as_deref().unwrap_or_default(), platform).ok(),
     };
     let allocation = allocate(episode, &decision, reference.as_ref(), policy, cfg, memo)?;
@@ -285,6 +292,17 @@ fn allocate(
 ) -> Result<Vec<usize>> {
     let t = decision.t;
     let mut ctx = context(episode, decision, reference, memo)?;
+    if cfg.reference == ReferenceSource::Instruction {
+        let lines: Vec<String> = decision
+            .completed
+            .iter()
+            .map(|step| step.action_line_for(episode.platform))
+            .collect();
+        let marks = instruction_witnesses(decision.instruction, &lines);
+        for (e, witness) in ctx.events.iter_mut().zip(marks) {
+            e.witness = witness;
+        }
+    }
     let pool = cfg.protocol.eligible(t - 1);
     ctx.events.retain(|e| pool.contains(&e.step));
     let current = memo.image(decision.current_screenshot)?.1;
@@ -529,6 +547,27 @@ pub(crate) fn context(
         reference_point: reference.and_then(Action::point),
         events,
     })
+}
+
+/// [`ReferenceSource::Instruction`]'s witnesses: `lines[i]` is the history line of step `i + 1`
+/// (the action taken right after that event's screenshot); the witnesses are the lines whose
+/// [`text_similarity`](crate::memory::policy::text_similarity) to `instruction` is the largest, when
+/// it is above zero (ties are all witnesses; no line shares a word: none is).
+///
+/// ```
+/// use recall::agent::causalcache::instruction_witnesses;
+/// let task = "Set an alarm for 7 am in the Clock app";
+/// // Shared words with the task: {the, clock, app} -> 3 / (2 * sqrt 10) = 0.47;
+/// // {the, alarm} -> 2 / (2 * sqrt 10) = 0.32; {7, am} -> 2 / (sqrt 3 * sqrt 10) = 0.37.
+/// let lines = ["Open the Clock app.", "Tap the alarm tab.", "Type 7 am."].map(String::from);
+/// assert_eq!(instruction_witnesses(task, &lines), [true, false, false]);
+/// assert_eq!(instruction_witnesses("Reply to Bob", &lines), [false, false, false]);
+/// ```
+pub fn instruction_witnesses(instruction: &str, lines: &[String]) -> Vec<bool> {
+    use crate::memory::policy::text_similarity;
+    let sims: Vec<f64> = lines.iter().map(|l| text_similarity(instruction, l)).collect();
+    let best = sims.iter().copied().fold(0.0, f64::max);
+    sims.iter().map(|&x| best > 0.0 && x == best).collect()
 }
 
 /// The allocation policies the CLI offers, by name.

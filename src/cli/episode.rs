@@ -80,7 +80,9 @@ pub struct ReplayArgs {
     stop: StopRule,
     /// The selector's reference action (the paper's reference ladder): proposal (pass 1's tentative
     /// action, the method), gold (the recorded action of the step, an offline oracle), none (no
-    /// action signal) or last-action (the previous step's action, one pass on the chosen allocation).
+    /// action signal), last-action (the previous step's action, one pass on the chosen allocation)
+    /// or instruction (instruction-only similarity: the events whose following action's history
+    /// line is most similar to the task are the witnesses; recall's reading of the paper's rung).
     #[arg(long, default_value = "proposal", value_parser = |s: &str| s.parse::<ReferenceSource>())]
     reference: ReferenceSource,
     /// What a restored history slot shows in both passes: pixels (the method), or the paper's text
