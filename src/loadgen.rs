@@ -62,6 +62,11 @@ pub struct LoadgenArgs {
     /// Seconds before a request is abandoned.
     #[arg(long, default_value_t = 600.0)]
     pub timeout: f64,
+    /// The header that carries each client's episode id (`loadgen-C`) on every request: the
+    /// session key a router pins an episode to one replica by (sglang-router's manual policy reads
+    /// `x-smg-routing-key`); an empty name sends none.
+    #[arg(long, default_value = "x-smg-routing-key")]
+    pub routing_header: String,
 }
 
 /// What one request measured.
@@ -76,6 +81,8 @@ struct Sample {
     output_tokens: u64,
     text: String,
     error: Option<String>,
+    /// The replica that answered (its `x-recall-replica` header), when it says.
+    replica: Option<String>,
 }
 
 /// Percentiles of a set of seconds, in milliseconds.
@@ -123,6 +130,12 @@ pub struct LoadReport {
     pub e2e: Latency,
     /// The first error, if any.
     pub first_error: Option<String>,
+    /// Answered requests per replica (the `x-recall-replica` response header; empty when the
+    /// server sends none).
+    pub replicas: std::collections::BTreeMap<String, usize>,
+    /// Episodes (clients) all of whose answered steps came from one replica, when replicas are
+    /// named: with a router's session affinity, every episode.
+    pub episodes_on_one_replica: Option<usize>,
 }
 
 impl LoadReport {
@@ -294,7 +307,7 @@ async fn agent(
         if let Some(m) = &args.model {
             body["model"] = json!(m);
         }
-        let sample = request(args, client, &body).await;
+        let sample = request(args, client, &body, c).await;
         let answer = if sample.text.trim().is_empty() {
             "Action: Wait for the screen to load.".to_string()
         } else {
@@ -327,7 +340,7 @@ fn replace_images(body: &mut Value, urls: &std::collections::HashMap<PathBuf, St
 }
 
 /// One streamed request, timed.
-async fn request(args: &LoadgenArgs, client: &reqwest::Client, body: &Value) -> Sample {
+async fn request(args: &LoadgenArgs, client: &reqwest::Client, body: &Value, c: usize) -> Sample {
     let mut sample = Sample::default();
     let start = Instant::now();
     let mut req = client
@@ -336,6 +349,9 @@ async fn request(args: &LoadgenArgs, client: &reqwest::Client, body: &Value) -> 
     if let Some(k) = &args.api_key {
         req = req.bearer_auth(k);
     }
+    if !args.routing_header.is_empty() {
+        req = req.header(args.routing_header.as_str(), episode_key(c));
+    }
     let resp = match req.send().await {
         Ok(r) => r,
         Err(e) => {
@@ -343,6 +359,11 @@ async fn request(args: &LoadgenArgs, client: &reqwest::Client, body: &Value) -> 
             return sample;
         }
     };
+    sample.replica = resp
+        .headers()
+        .get("x-recall-replica")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
     if !resp.status().is_success() {
         let status = resp.status();
         sample.error = Some(format!(
@@ -406,6 +427,11 @@ async fn request(args: &LoadgenArgs, client: &reqwest::Client, body: &Value) -> 
     sample
 }
 
+/// Client `c`'s episode id, its routing key.
+pub fn episode_key(c: usize) -> String {
+    format!("loadgen-{c}")
+}
+
 /// The end of the first server-sent event in `buf`: (end of its text, end including the blank line).
 fn find_event_end(buf: &[u8]) -> Option<(usize, usize)> {
     let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| (i, i + 2));
@@ -416,7 +442,32 @@ fn find_event_end(buf: &[u8]) -> Option<(usize, usize)> {
     }
 }
 
+/// Answered requests per replica, and how many episodes were answered by one replica only
+/// (`None` when no answer named its replica). `samples` are in client order, `steps` per client.
+fn replica_counts(
+    samples: &[Sample],
+    steps: usize,
+) -> (std::collections::BTreeMap<String, usize>, Option<usize>) {
+    let mut per = std::collections::BTreeMap::new();
+    for r in samples.iter().filter(|s| s.error.is_none()).filter_map(|s| s.replica.as_ref()) {
+        *per.entry(r.clone()).or_insert(0) += 1;
+    }
+    if per.is_empty() {
+        return (per, None);
+    }
+    let one = samples
+        .chunks(steps.max(1))
+        .filter(|ep| {
+            let mut seen = ep.iter().filter(|s| s.error.is_none()).map(|s| &s.replica);
+            let first = seen.next();
+            first.is_some_and(|f| f.is_some() && seen.all(|r| r == f))
+        })
+        .count();
+    (per, Some(one))
+}
+
 fn report(args: &LoadgenArgs, samples: &[Sample], wall: f64) -> LoadReport {
+    let (replicas, episodes_on_one_replica) = replica_counts(samples, args.steps);
     let ok: Vec<&Sample> = samples.iter().filter(|s| s.error.is_none()).collect();
     let prompt_tokens: u64 = ok.iter().map(|s| s.prompt_tokens).sum();
     let output_tokens: u64 = ok.iter().map(|s| s.output_tokens).sum();
@@ -440,5 +491,7 @@ fn report(args: &LoadgenArgs, samples: &[Sample], wall: f64) -> LoadReport {
         itl: Latency::of(ok.iter().flat_map(|s| s.itl.iter().copied()).collect()),
         e2e: Latency::of(ok.iter().map(|s| s.e2e).collect()),
         first_error: samples.iter().find_map(|s| s.error.clone()),
+        replicas,
+        episodes_on_one_replica,
     }
 }

@@ -242,6 +242,11 @@ impl EpisodeStore {
         Ok(e.state.clone())
     }
 
+    /// Whether episode `id` is open here.
+    pub fn contains(&self, id: &str) -> bool {
+        self.map.lock().is_ok_and(|m| m.contains_key(id))
+    }
+
     fn remove(&self, id: &str) -> Option<Entry> {
         let e = self.map.lock().ok()?.remove(id)?;
         let _ = std::fs::remove_dir_all(self.dir.join(id));
@@ -304,7 +309,19 @@ pub async fn create(State(app): State<Arc<AppState>>, body: Bytes) -> Response {
 
 async fn create_inner(app: &Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
     let obj = json_object(body)?;
-    let config = parse_config(app, &obj)?;
+    let body = open_episode(app, &obj, None)?;
+    Ok((StatusCode::CREATED, Json(body)).into_response())
+}
+
+/// Opens an episode from a `POST /v1/episodes` body; its summary. `id`: the client's name for it
+/// (the chat bridge, [`super::episode_chat`]; already checked), refused when taken; `None`: a fresh
+/// one.
+pub(super) fn open_episode(
+    app: &Arc<AppState>,
+    obj: &Map<String, Value>,
+    id: Option<&str>,
+) -> Result<Value, ApiError> {
+    let config = parse_config(app, obj)?;
     if config.policy.name == "ocr" {
         // The API's steps carry screenshots, no transcripts: the OCR baseline is offline only.
         return Err(ApiError::bad(
@@ -322,7 +339,15 @@ async fn create_inner(app: &Arc<AppState>, body: &[u8]) -> Result<Response, ApiE
             store.max_episodes
         )));
     }
-    let id = format!("ep-{:016x}", rand_id());
+    let id = match id {
+        Some(id) if store.contains(id) => {
+            return Err(ApiError::invalid(format!("episode `{id}` is already open on this replica"))
+                .with_status(StatusCode::CONFLICT, "invalid_request_error")
+                .with_code("episode_exists"));
+        }
+        Some(id) => id.to_string(),
+        None => format!("ep-{:016x}", rand_id()),
+    };
     let dir = store.dir.join(&id);
     std::fs::create_dir_all(&dir)
         .map_err(|e| ApiError::internal(format!("creating {}: {e}", dir.display())))?;
@@ -355,7 +380,7 @@ async fn create_inner(app: &Arc<AppState>, body: &[u8]) -> Result<Response, ApiE
         .lock()
         .map_err(|_| ApiError::internal("episode store lock poisoned"))?
         .insert(id, entry);
-    Ok((StatusCode::CREATED, Json(body)).into_response())
+    Ok(body)
 }
 
 /// The fields a `POST /v1/episodes` body may hold; others are ignored with a warning.
@@ -618,9 +643,15 @@ async fn step_inner(app: &Arc<AppState>, id: &str, body: &[u8]) -> Result<Respon
             ))
         }
     };
+    Ok(Json(run_step(app, id, &url).await?).into_response())
+}
+
+/// Runs one step of episode `id` on the screenshot at `url` and commits it; the step's JSON (what
+/// `POST /v1/episodes/{id}/steps` answers).
+pub(super) async fn run_step(app: &Arc<AppState>, id: &str, url: &str) -> Result<Value, ApiError> {
     let state = app.episodes.get(id)?;
     let guard = state.try_lock_owned().map_err(|_| conflict(id))?;
-    let (data, name) = app.media.fetch(&url, "image_url").await?;
+    let (data, name) = app.media.fetch(url, "image_url").await?;
     let media = app.media.clone();
     let checked = data.clone();
     let decoded = tokio::task::spawn_blocking(move || media.decode(&checked, &name, "image_url"))
@@ -673,7 +704,7 @@ async fn step_inner(app: &Arc<AppState>, id: &str, body: &[u8]) -> Result<Respon
     let mut body = view.to_json();
     body["id"] = json!(st.id);
     body["object"] = json!("episode.step");
-    Ok(Json(body).into_response())
+    Ok(body)
 }
 
 /// The file extension of encoded image bytes (PNG, JPEG or WebP; the decoder accepted them).

@@ -1,5 +1,6 @@
-//! `GET /metrics`: Prometheus (OpenMetrics text) counters, gauges and histograms, with the names
-//! vLLM users know where there is one (`recall_` instead of `vllm:`).
+//! `GET /metrics`: Prometheus counters, gauges and histograms, with the names vLLM users know where
+//! there is one (`recall_` instead of `vllm:`), as OpenMetrics 1.0 text to a scraper that asks for
+//! it and as Prometheus text 0.0.4 otherwise ([`to_prometheus_text`]).
 
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
@@ -172,4 +173,66 @@ impl Metrics {
         let _ = encode(&mut out, &self.registry);
         out
     }
+}
+
+/// The content type of OpenMetrics 1.0 text.
+pub const OPENMETRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+/// The content type of Prometheus text 0.0.4.
+pub const PROMETHEUS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// Whether an `Accept` header asks for OpenMetrics (Prometheus itself does; curl, sglang-router's
+/// `/engine_metrics` and most scrapers of vLLM-style servers do not, and they read 0.0.4 only).
+pub fn wants_openmetrics(accept: Option<&str>) -> bool {
+    accept.is_some_and(|a| a.contains("application/openmetrics-text"))
+}
+
+/// OpenMetrics 1.0 text rewritten as Prometheus text 0.0.4: a counter family is named with its
+/// samples' `_total` suffix in its `# HELP` and `# TYPE` lines (OpenMetrics names the family
+/// without it, which a 0.0.4 parser reads as a family with no samples next to untyped ones), and
+/// `# UNIT` and `# EOF` lines are dropped. Samples, labels and values are unchanged.
+///
+/// ```
+/// use recall::server::metrics::to_prometheus_text;
+/// let om = "# HELP x_requests Requests.\n# TYPE x_requests counter\nx_requests_total{a=\"b\"} 3\n\
+///           # TYPE x_busy gauge\nx_busy 1\n# EOF\n";
+/// assert_eq!(
+///     to_prometheus_text(om),
+///     "# HELP x_requests_total Requests.\n# TYPE x_requests_total counter\nx_requests_total{a=\"b\"} 3\n\
+///      # TYPE x_busy gauge\nx_busy 1\n"
+/// );
+/// ```
+pub fn to_prometheus_text(openmetrics: &str) -> String {
+    let counters: std::collections::HashSet<&str> = openmetrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE ")?.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(openmetrics.len() + 16 * counters.len());
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let meta = ["# HELP ", "# TYPE "]
+            .into_iter()
+            .find_map(|p| Some((p, line.strip_prefix(p)?)));
+        match meta {
+            Some((p, rest)) => {
+                let (name, tail) = match rest.split_once(' ') {
+                    Some((name, tail)) => (name, Some(tail)),
+                    None => (rest, None),
+                };
+                out.push_str(p);
+                out.push_str(name);
+                if counters.contains(name) {
+                    out.push_str("_total");
+                }
+                if let Some(tail) = tail {
+                    out.push(' ');
+                    out.push_str(tail);
+                }
+            }
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
 }

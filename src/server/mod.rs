@@ -12,11 +12,12 @@
 
 pub mod completions;
 mod engine_loop;
+mod episode_chat;
 mod episodes;
 pub mod error;
 pub mod fields;
 pub mod media;
-mod metrics;
+pub mod metrics;
 pub mod openai;
 pub mod params;
 pub mod policy;
@@ -154,6 +155,10 @@ pub struct ServeArgs {
     /// Seconds to let requests finish after SIGINT/SIGTERM before cancelling them.
     #[arg(long, default_value_t = 10.0)]
     pub shutdown_grace: f64,
+    /// This replica's name, sent as the `x-recall-replica` header of every response (behind a
+    /// router: which replica served a request) [default: the bound address, HOST:PORT].
+    #[arg(long)]
+    pub replica_id: Option<String>,
 }
 
 /// Limits that apply to every request.
@@ -181,7 +186,12 @@ pub struct AppState {
     pub started: u64,
     /// Requests `/v1/causalcache/policy` has taken (its responses' `request_count`).
     pub policy_requests: std::sync::atomic::AtomicU64,
+    /// This replica's name (`--replica-id`), the `x-recall-replica` header of every response.
+    pub replica: String,
 }
+
+/// The response header naming the replica that served a request.
+pub const REPLICA_HEADER: &str = "x-recall-replica";
 
 /// 128 random bits (ids of responses and tool calls).
 pub fn rand_u128() -> u128 {
@@ -278,6 +288,10 @@ impl AppState {
             encoder,
             started: unix_now(),
             policy_requests: Default::default(),
+            replica: args
+                .replica_id
+                .clone()
+                .unwrap_or_else(|| format!("{}:{}", args.host, args.port)),
         })
     }
 }
@@ -319,7 +333,10 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         let listener = tokio::net::TcpListener::bind(&addr)
             .await
             .map_err(|e| Error::InvalidRequest(format!("cannot listen on {addr}: {e}")))?;
-        let load = args.clone();
+        let mut load = args.clone();
+        if load.replica_id.is_none() {
+            load.replica_id = listener.local_addr().ok().map(|a| a.to_string());
+        }
         let app = Arc::new(
             tokio::task::spawn_blocking(move || AppState::new(&load))
                 .await
@@ -396,17 +413,16 @@ async fn health(State(app): State<Arc<AppState>>) -> Response {
     }
 }
 
-/// `GET /metrics`.
-async fn metrics_text(State(app): State<Arc<AppState>>) -> Response {
+/// `GET /metrics`: OpenMetrics when the scraper's `Accept` asks for it, else Prometheus text 0.0.4.
+async fn metrics_text(State(app): State<Arc<AppState>>, headers: axum::http::HeaderMap) -> Response {
     let text = app.metrics.render(&app.engine.stats(), app.episodes.len());
-    (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        text,
-    )
-        .into_response()
+    let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok());
+    if metrics::wants_openmetrics(accept) {
+        ([(header::CONTENT_TYPE, metrics::OPENMETRICS_CONTENT_TYPE)], text).into_response()
+    } else {
+        let text = metrics::to_prometheus_text(&text);
+        ([(header::CONTENT_TYPE, metrics::PROMETHEUS_CONTENT_TYPE)], text).into_response()
+    }
 }
 
 async fn not_found(req: Request) -> Response {
@@ -448,8 +464,17 @@ async fn count_and_shape(State(app): State<Arc<AppState>>, req: Request, next: N
         .get::<MatchedPath>()
         .map_or_else(|| "unmatched".to_string(), |m| m.as_str().to_string());
     let resp = next.run(req).await;
+    let mut resp = shape(resp).await;
+    if let Ok(v) = header::HeaderValue::from_str(&app.replica) {
+        resp.headers_mut().insert(REPLICA_HEADER, v);
+    }
+    app.metrics.count_request(&route, resp.status().as_u16());
+    resp
+}
+
+/// Turns the framework's plain-text rejections into OpenAI-style JSON errors (the status kept).
+async fn shape(resp: Response) -> Response {
     let status = resp.status();
-    app.metrics.count_request(&route, status.as_u16());
     let is_json = resp
         .headers()
         .get(header::CONTENT_TYPE)
@@ -458,6 +483,7 @@ async fn count_and_shape(State(app): State<Arc<AppState>>, req: Request, next: N
             c.starts_with("application/json")
                 || c.starts_with("text/event-stream")
                 || c.starts_with("application/openmetrics")
+                || c.starts_with("text/plain; version=0.0.4")
         });
     if status.is_success() || is_json {
         return resp;

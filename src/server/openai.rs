@@ -165,6 +165,9 @@ pub async fn chat_completions(State(app): State<Arc<AppState>>, body: Bytes) -> 
 
 async fn chat(app: &Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
     let obj = json_object(body)?;
+    if super::episode_chat::requested_episode(&obj).is_some() {
+        return super::episode_chat::chat_step(app, &obj).await;
+    }
     let info = app.engine.info.clone();
     let mut req = parse_chat_request(&obj, &app.sampling_defaults, &info.name)?;
     req.chat.budget = request_budget(app, req.mm_processor_kwargs.as_ref())?;
