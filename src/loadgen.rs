@@ -449,7 +449,11 @@ fn replica_counts(
     steps: usize,
 ) -> (std::collections::BTreeMap<String, usize>, Option<usize>) {
     let mut per = std::collections::BTreeMap::new();
-    for r in samples.iter().filter(|s| s.error.is_none()).filter_map(|s| s.replica.as_ref()) {
+    for r in samples
+        .iter()
+        .filter(|s| s.error.is_none())
+        .filter_map(|s| s.replica.as_ref())
+    {
         *per.entry(r.clone()).or_insert(0) += 1;
     }
     if per.is_empty() {

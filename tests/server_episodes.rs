@@ -239,3 +239,91 @@ async fn episodes_expire_and_are_capped_in_number_and_bytes() {
     let (status, r) = step(d["id"].as_str().unwrap().to_string()).await;
     assert_eq!(status, 200, "{r}");
 }
+
+/// The episode API over chat completions (the route a router forwards): bad requests name their
+/// field, an unknown episode is a 404 naming the replica, a second open is a 409, and the bridge's
+/// steps are the episode API's bitwise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn episode_steps_over_chat_completions_check_their_input() {
+    let server = Server::start(&["--replica-id", "replica-x"]);
+    let open = json!({"instruction": "Turn on Wi-Fi", "max_tokens": 8});
+    let step = |meta: Value, content: Value| json!({"model": "tiny", "metadata": meta, "messages": [{"role": "user", "content": content}]});
+    let shot = |t| json!([{"type": "image_url", "image_url": {"url": data_url(&screenshot(t))}}]);
+    let open_meta = |id: &str| json!({"recall_episode": id, "recall_open": open.to_string()});
+    let bad = [
+        (
+            step(json!({"recall_episode": "../up"}), shot(1)),
+            "metadata.recall_episode",
+        ),
+        (
+            step(json!({"recall_episode": 7}), shot(1)),
+            "metadata.recall_episode",
+        ),
+        (
+            step(json!({"recall_episode": "e", "recall_open": "{"}), shot(1)),
+            "metadata.recall_open",
+        ),
+        (
+            step(json!({"recall_episode": "e", "recall_open": "[1]"}), shot(1)),
+            "metadata.recall_open",
+        ),
+        (step(open_meta("e"), json!("no image")), "messages[0].content"),
+        (step(open_meta("e"), json!([])), "messages[0].content"),
+    ];
+    for (body, param) in bad {
+        let (status, r) = server.post("/v1/chat/completions", &body).await;
+        assert_eq!(status, 400, "{body}: {r}");
+        assert_eq!(r["error"]["param"], param, "{r}");
+    }
+    let mut streamed = step(open_meta("e"), shot(1));
+    streamed["stream"] = json!(true);
+    let (status, r) = server.post("/v1/chat/completions", &streamed).await;
+    assert_eq!(
+        (status.as_u16(), r["error"]["param"].as_str()),
+        (400, Some("stream")),
+        "{r}"
+    );
+    // Nothing above opened an episode.
+    let (status, r) = server
+        .post(
+            "/v1/chat/completions",
+            &step(json!({"recall_episode": "e"}), shot(1)),
+        )
+        .await;
+    assert_eq!(status, 404, "{r}");
+    let message = r["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("not open on this replica (replica-x)"),
+        "{message}"
+    );
+
+    // Three steps over chat, three over the episode API: the same answers.
+    let mut bridged = Vec::new();
+    for t in 1..=3 {
+        let meta = if t == 1 {
+            open_meta("e")
+        } else {
+            json!({"recall_episode": "e"})
+        };
+        let (status, r) = server.post("/v1/chat/completions", &step(meta, shot(t))).await;
+        assert_eq!(status, 200, "{r}");
+        assert_eq!(r["recall_episode_step"]["t"], t);
+        bridged.push(r["choices"][0]["message"]["content"].clone());
+    }
+    let (status, r) = server
+        .post("/v1/chat/completions", &step(open_meta("e"), shot(4)))
+        .await;
+    assert_eq!(status, 409, "a second open of a live id: {r}");
+    let (_, ep) = server.post("/v1/episodes", &open).await;
+    let id = ep["id"].as_str().unwrap();
+    for (t, want) in (1..=3).zip(&bridged) {
+        let body = json!({"image_url": {"url": data_url(&screenshot(t))}});
+        let (_, r) = server.post(&format!("/v1/episodes/{id}/steps"), &body).await;
+        assert_eq!(&r["response"], want, "step {t}");
+    }
+    let (_, kept) = server.get("/v1/episodes/e").await;
+    assert_eq!(
+        kept["num_steps"], 3,
+        "the refused second open added no step: {kept}"
+    );
+}

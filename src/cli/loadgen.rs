@@ -9,11 +9,7 @@ pub fn run(a: LoadgenArgs) -> Result<()> {
     let report = run_loadgen(&a)?;
     print!("{}", report.to_table());
     if let Some(one) = report.episodes_on_one_replica {
-        let per: Vec<String> = report
-            .replicas
-            .iter()
-            .map(|(r, n)| format!("{r}: {n}"))
-            .collect();
+        let per: Vec<String> = report.replicas.iter().map(|(r, n)| format!("{r}: {n}")).collect();
         println!(
             "replicas: {} ({one} of {} episodes answered by one replica)",
             per.join(", "),

@@ -341,9 +341,11 @@ pub(super) fn open_episode(
     }
     let id = match id {
         Some(id) if store.contains(id) => {
-            return Err(ApiError::invalid(format!("episode `{id}` is already open on this replica"))
-                .with_status(StatusCode::CONFLICT, "invalid_request_error")
-                .with_code("episode_exists"));
+            return Err(
+                ApiError::invalid(format!("episode `{id}` is already open on this replica"))
+                    .with_status(StatusCode::CONFLICT, "invalid_request_error")
+                    .with_code("episode_exists"),
+            );
         }
         Some(id) => id.to_string(),
         None => format!("ep-{:016x}", rand_id()),
