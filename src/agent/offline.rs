@@ -186,7 +186,7 @@ impl AllocationPolicy for Given {
 // Evaluation.
 
 /// One evaluated decision.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
 pub struct EvalStep {
     pub episode: String,
     pub t: usize,
@@ -346,6 +346,59 @@ pub fn summarise(
         bootstrap,
         rows,
     }
+}
+
+/// What [`merge_evaluations`] reads of one shard's `eval.json`.
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct EvaluationShard {
+    pub policy: String,
+    pub budget: usize,
+    pub bootstrap: BootstrapConfig,
+    pub rows: Vec<EvalStep>,
+}
+
+/// The evaluation of the shards' episodes together, as one `recall episode eval` over all of them
+/// in shard order computes it: the rows concatenated, then [`summarise`] (bitwise the same report,
+/// the bootstrap clusters by episode name whatever the order). The shards must agree on policy,
+/// budget and bootstrap settings and share no episode; an error names the shard that does not.
+///
+/// ```
+/// use recall::agent::eval::BootstrapConfig;
+/// use recall::agent::offline::{merge_evaluations, EvalStep, EvaluationShard};
+/// let row = |ep: &str| EvalStep { episode: ep.into(), t: 1, recent: vec![], allocation: vec![], k: 0,
+///     matches: true, recent_matches: false, q: -1.0, q_recent: -1.0, margin: 0.0 };
+/// let shard = |ep: &str| EvaluationShard { policy: "recent".into(), budget: 2,
+///     bootstrap: BootstrapConfig::default(), rows: vec![row(ep)] };
+/// let merged = merge_evaluations(vec![shard("a"), shard("b")]).unwrap();
+/// assert_eq!((merged.episodes, merged.steps), (2, 2));
+/// assert!(merge_evaluations(vec![shard("a"), shard("a")]).is_err());
+/// ```
+pub fn merge_evaluations(shards: Vec<EvaluationShard>) -> Result<PolicyEvaluation> {
+    let first = shards
+        .first()
+        .ok_or_else(|| Error::InvalidRequest("merge: no shard given".into()))?;
+    let (policy, budget, bootstrap) = (first.policy.clone(), first.budget, first.bootstrap);
+    let mut seen = std::collections::HashSet::new();
+    let mut rows = Vec::new();
+    for (i, shard) in shards.into_iter().enumerate() {
+        if (shard.policy.as_str(), shard.budget, shard.bootstrap) != (policy.as_str(), budget, bootstrap) {
+            return Err(Error::InvalidRequest(format!(
+                "merge: shard {i} evaluated policy `{}` at B = {} with {:?}, shard 0 `{policy}` at B = \
+                 {budget} with {bootstrap:?}",
+                shard.policy, shard.budget, shard.bootstrap
+            )));
+        }
+        let episodes: std::collections::BTreeSet<&str> =
+            shard.rows.iter().map(|r| r.episode.as_str()).collect();
+        if let Some(dup) = episodes.iter().find(|e| seen.contains(**e)) {
+            return Err(Error::InvalidRequest(format!(
+                "merge: episode `{dup}` of shard {i} is in an earlier shard too"
+            )));
+        }
+        seen.extend(episodes.into_iter().map(str::to_string));
+        rows.extend(shard.rows);
+    }
+    Ok(summarise(&policy, budget, rows, bootstrap))
 }
 
 impl PolicyEvaluation {

@@ -13,7 +13,8 @@ use recall::agent::labels::{
     episode_name, label_episode, plan_decisions, read_progress, resume_point, DecisionUnit, LabelSource,
 };
 use recall::agent::offline::{
-    evaluate_steps, oracle_allocations, summarise, write_margin_chart, Given, OracleConfig,
+    evaluate_steps, merge_evaluations, oracle_allocations, summarise, write_margin_chart, EvaluationShard,
+    Given, OracleConfig, PolicyEvaluation,
 };
 use recall::atomic::{write_atomic, JsonlWriter};
 use recall::backend::{select, Backend, BackendArgs};
@@ -33,6 +34,9 @@ pub enum EpisodeCommand {
     /// Evaluate an allocation policy offline over recorded episodes: full-action match and the
     /// log-likelihood margin over Recent-B, with episode-bootstrap intervals (JSON, Markdown, chart).
     Eval(EvalArgs),
+    /// Merge the `eval` outputs of episode shards (tools/distributed/) into the report one `eval`
+    /// over all their episodes writes: eval.json, eval.md and margins.png.
+    MergeEval(MergeEvalArgs),
     /// Write utility labels Q(S) (mean log-prob of the recorded response) as JSONL.
     Label(LabelArgs),
     /// Write one step's prompt as OpenAI-style messages (images as paths) that `recall logits` accepts.
@@ -197,6 +201,16 @@ pub struct LabelArgs {
 }
 
 #[derive(clap::Args)]
+pub struct MergeEvalArgs {
+    /// The shards' `--out` directories (each with its eval.json), in episode order.
+    #[arg(required = true)]
+    shards: Vec<PathBuf>,
+    /// Where the merged eval.json, eval.md and margins.png go.
+    #[arg(long)]
+    out: PathBuf,
+}
+
+#[derive(clap::Args)]
 pub struct RenderArgs {
     #[arg(long)]
     episode: PathBuf,
@@ -227,6 +241,7 @@ pub fn run(command: EpisodeCommand) -> Result<()> {
     match command {
         EpisodeCommand::Run(a) => with_backend!(select(a.model.backend.backend)?, be => replay(be, &a)),
         EpisodeCommand::Eval(a) => with_backend!(select(a.model.backend.backend)?, be => evaluate(be, &a)),
+        EpisodeCommand::MergeEval(a) => merge_eval(&a),
         EpisodeCommand::Label(a) => with_backend!(select(a.model.backend.backend)?, be => label(be, &a)),
         EpisodeCommand::Render(a) => render(&a),
     }
@@ -297,17 +312,33 @@ fn evaluate<B: Backend>(be: B, a: &EvalArgs) -> Result<()> {
         ..BootstrapConfig::default()
     };
     let report = summarise(&a.replay.policy.policy, a.replay.budget, rows, bootstrap);
-    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
-    write_file(&a.out.join("eval.json"), serde_json::to_string_pretty(&report)?)?;
+    write_eval(&report, &a.out)
+}
+
+/// eval.json, eval.md and margins.png of `report` under `out`.
+fn write_eval(report: &PolicyEvaluation, out: &std::path::Path) -> Result<()> {
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    write_file(&out.join("eval.json"), serde_json::to_string_pretty(report)?)?;
     let md = report.to_markdown();
-    write_file(&a.out.join("eval.md"), &md)?;
-    write_margin_chart(&report.rows, &a.out.join("margins.png"))?;
+    write_file(&out.join("eval.md"), &md)?;
+    write_margin_chart(&report.rows, &out.join("margins.png"))?;
     print!("{md}");
-    println!(
-        "\nwrote eval.json, eval.md and margins.png to {}",
-        a.out.display()
-    );
+    println!("\nwrote eval.json, eval.md and margins.png to {}", out.display());
     Ok(())
+}
+
+fn merge_eval(a: &MergeEvalArgs) -> Result<()> {
+    let shards = a
+        .shards
+        .iter()
+        .map(|dir| {
+            let path = dir.join("eval.json");
+            let text =
+                std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+            serde_json::from_str::<EvaluationShard>(&text).with_context(|| format!("{}", path.display()))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    write_eval(&merge_evaluations(shards)?, &a.out)
 }
 
 fn label<B: Backend>(be: B, a: &LabelArgs) -> Result<()> {
