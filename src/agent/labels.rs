@@ -50,6 +50,10 @@ pub struct LabelSource {
     pub max_pixels: usize,
     /// The recall version that scored them.
     pub recall: &'static str,
+    /// The composition teacher paths were scored too (`--composition-states`, [`utility_labels`]);
+    /// written only when set, so files made without them keep their old `made_with`.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub composition_states: bool,
 }
 
 /// One line of a label file: the label, its episode and what it was made with.
@@ -220,7 +224,11 @@ pub fn label_episode(
     let mut lines = 0;
     for t in first_t.max(1)..=episode.len() {
         let ctx = label_context(episode, t, protocol, &mut memo)?;
-        let labels = utility_labels(s, episode, t, protocol, budgets, adapter)?;
+        let paths = TeacherPaths {
+            budgets,
+            composition: made_with.composition_states,
+        };
+        let labels = utility_labels(s, episode, t, protocol, &paths, adapter)?;
         let mut group = json_line(&DecisionRecord {
             episode: name,
             t,
@@ -254,19 +262,31 @@ fn json_line<T: Serialize>(record: &T) -> Result<String> {
     Ok(s)
 }
 
+/// Which sets [`utility_labels`] scores besides the singletons.
+#[derive(Debug, Clone, Copy)]
+pub struct TeacherPaths<'a> {
+    /// Recent-B anchors for `0` and each of these; the largest bounds the beam-teacher sets.
+    pub budgets: &'a [usize],
+    /// Also the states paper composition's first round visits, for every budget: `Recent-B ∖ {e}`
+    /// for each recent `e` and `Recent-B ∖ {e} ∪ {j}` for each older `j` (`kind: composition`).
+    pub composition: bool,
+}
+
 /// Utility labels of decision `t` (which must have a recorded response): singletons over the whole
-/// pool, Recent-B anchors for `0` and every budget in `budgets`, and beam-teacher sets (shortlist the top 6
-/// singletons, beam 3, up to the largest budget). Every set is scored as a complete prompt; the
-/// sets of one level are scored in one shared-prefix call, through the loaded adapter as `adapter`
-/// says (the paper re-scores through the frozen HGKV policy: `Gated`).
+/// pool, Recent-B anchors for `0` and every budget of `paths`, beam-teacher sets (shortlist the top
+/// 6 singletons, beam 3, up to the largest budget), and with `paths.composition` the composition
+/// states ([`TeacherPaths`]; a set already scored is not scored again). Every set is scored as a
+/// complete prompt; the sets of one level are scored in one shared-prefix call, through the loaded
+/// adapter as `adapter` says (the paper re-scores through the frozen HGKV policy: `Gated`).
 pub fn utility_labels(
     s: &mut dyn Session,
     episode: &Episode,
     t: usize,
     protocol: Protocol,
-    budgets: &[usize],
+    paths: &TeacherPaths<'_>,
     adapter: AdapterMode,
 ) -> Result<Vec<UtilityLabel>> {
+    let budgets = paths.budgets;
     let decision = episode.decision(t)?;
     let reference = decision
         .reference
@@ -341,7 +361,45 @@ pub fn utility_labels(
         scored.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
         beam = scored.into_iter().take(3).map(|(s, _)| s).collect();
     }
+    if paths.composition {
+        let done: std::collections::HashSet<Vec<usize>> = labels.iter().map(|l| l.set.clone()).collect();
+        let sets = composition_sets(protocol, t, budgets, &pool, &done);
+        let qs = score_sets(s, &sets)?;
+        labels.extend(sets.iter().zip(qs).map(|(s, q)| label("composition", s, q)));
+    }
     Ok(labels)
+}
+
+/// The states the paper composition's first round visits at decision `t` for each budget, minus
+/// `done`: `R ∖ {e}` and `R ∖ {e} ∪ {j}` for every `e` of `R` = Recent-B and every `j` of the pool
+/// outside `R`; each set sorted, each once, in budget, then `e`, then `j` order.
+fn composition_sets(
+    protocol: Protocol,
+    t: usize,
+    budgets: &[usize],
+    pool: &[usize],
+    done: &std::collections::HashSet<Vec<usize>>,
+) -> Vec<Vec<usize>> {
+    let mut seen = done.clone();
+    let mut out = Vec::new();
+    let mut push = |set: Vec<usize>| {
+        if seen.insert(set.clone()) {
+            out.push(set);
+        }
+    };
+    for &b in &normalized(budgets) {
+        let recent = protocol.recent_b(t - 1, b);
+        for &e in &recent {
+            let rest: Vec<usize> = recent.iter().copied().filter(|&s| s != e).collect();
+            push(rest.clone());
+            for &j in pool.iter().filter(|j| !recent.contains(j)) {
+                let mut with = rest.clone();
+                with.insert(with.partition_point(|&s| s < j), j);
+                push(with);
+            }
+        }
+    }
+    out
 }
 
 /// Label files read back as training data.

@@ -198,6 +198,12 @@ pub struct LabelArgs {
     /// other settings (made_with, --episode list or --budgets).
     #[arg(long)]
     resume: bool,
+    /// Also label the states paper composition's first round visits: `Recent-B ∖ {e}` and
+    /// `Recent-B ∖ {e} ∪ {j}` for every budget, recent `e` and older `j` (`kind: composition`), so
+    /// the selector's first-round queries are on labelled states (docs/TRAINING.md). About B × pool
+    /// more prompts per budget and decision.
+    #[arg(long)]
+    composition_states: bool,
 }
 
 #[derive(clap::Args)]
@@ -407,6 +413,7 @@ fn label_source<B: Backend>(a: &LabelArgs, p: &Pipeline<B>, ep: &Episode) -> (Pr
         min_pixels: p.preprocess.min_pixels,
         max_pixels: p.preprocess.max_pixels,
         recall: env!("CARGO_PKG_VERSION"),
+        composition_states: a.composition_states,
     };
     (protocol, source)
 }
