@@ -297,6 +297,19 @@ async fn episode_steps_over_chat_completions_check_their_input() {
         "{message}"
     );
 
+    // A first step that fails (an image that does not decode) opens nothing: the same first step
+    // with a good screenshot then succeeds.
+    let broken = json!([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]);
+    let (status, r) = server
+        .post("/v1/chat/completions", &step(open_meta("e"), broken))
+        .await;
+    assert_eq!(status, 400, "{r}");
+    assert_eq!(
+        server.get("/v1/episodes/e").await.0,
+        404,
+        "a failed open left an episode"
+    );
+
     // Three steps over chat, three over the episode API: the same answers.
     let mut bridged = Vec::new();
     for t in 1..=3 {

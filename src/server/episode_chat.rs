@@ -51,6 +51,7 @@ pub async fn chat_step(app: &Arc<AppState>, obj: &Map<String, Value>) -> Result<
         ));
     }
     let url = screenshot_url(obj)?;
+    let opened = meta.get(OPEN_KEY).is_some();
     if let Some(open) = meta.get(OPEN_KEY) {
         let body = open_body(open)?;
         open_episode(app, &body, Some(id))?;
@@ -63,7 +64,16 @@ pub async fn chat_step(app: &Arc<AppState>, obj: &Map<String, Value>) -> Result<
         ))
         .with_code("episode_not_found"));
     }
-    let step = run_step(app, id, &url).await?;
+    let step = match run_step(app, id, &url).await {
+        Ok(step) => step,
+        Err(e) => {
+            // A first step that failed opens nothing: the client retries it as it was.
+            if opened {
+                app.episodes.discard(id);
+            }
+            return Err(e);
+        }
+    };
     let t = step["t"].as_u64().unwrap_or(0);
     let body = json!({
         "id": format!("chatcmpl-{id}-{t}"),

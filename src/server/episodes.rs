@@ -247,6 +247,12 @@ impl EpisodeStore {
         self.map.lock().is_ok_and(|m| m.contains_key(id))
     }
 
+    /// Removes episode `id` and its recording (a bridge open whose first step failed: no step, so
+    /// no screenshot bytes to release).
+    pub(super) fn discard(&self, id: &str) {
+        self.remove(id);
+    }
+
     fn remove(&self, id: &str) -> Option<Entry> {
         let e = self.map.lock().ok()?.remove(id)?;
         let _ = std::fs::remove_dir_all(self.dir.join(id));
