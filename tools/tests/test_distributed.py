@@ -103,8 +103,8 @@ def test_eval_shards_merge_to_the_single_run(episodes, tmp_path):
         assert (merged / name).read_bytes() == (single / name).read_bytes(), name
 
 
-def test_dump_shards_merge_to_the_single_run_as_a_batch_array(tmp_path):
-    """The Slurm-array path: one shard per job (`--only-shard`), then `--merge-only`; no Ray."""
+def test_dump_shards_merge_to_the_single_run_as_a_batch_array_and_on_ray(tmp_path):
+    """The Slurm-array path: one shard per job (`--only-shard`), then `--merge-only`, no Ray; then Ray."""
     args = [*COMMON, "--max-tokens", "12"]
     single = tmp_path / "single.jsonl"
     recall("scopemem", "dump", "--dataset", str(DATASET), "--out", str(single), *args)
@@ -116,3 +116,8 @@ def test_dump_shards_merge_to_the_single_run_as_a_batch_array(tmp_path):
         ray_run(*base, "--only-shard", str(k), args)
     ray_run(*base, "--merge-only", args)
     assert merged.read_bytes() == single.read_bytes()
+    # And the same plan on Ray.
+    on_ray = tmp_path / "ray.jsonl"
+    ray_run("dump", "--dataset", str(DATASET), "--shards", "2", "--work", str(tmp_path / "ray-work"), "--out",
+            str(on_ray), args)
+    assert on_ray.read_bytes() == single.read_bytes()
