@@ -361,7 +361,7 @@ async fn request(args: &LoadgenArgs, client: &reqwest::Client, body: &Value, c: 
     };
     sample.replica = resp
         .headers()
-        .get("x-recall-replica")
+        .get(crate::server::REPLICA_HEADER)
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
     if !resp.status().is_success() {

@@ -51,8 +51,8 @@ pub async fn chat_step(app: &Arc<AppState>, obj: &Map<String, Value>) -> Result<
         ));
     }
     let url = screenshot_url(obj)?;
-    let opened = meta.get(OPEN_KEY).is_some();
-    if let Some(open) = meta.get(OPEN_KEY) {
+    let open = meta.get(OPEN_KEY);
+    if let Some(open) = open {
         let body = open_body(open)?;
         open_episode(app, &body, Some(id))?;
     } else if !app.episodes.contains(id) {
@@ -68,7 +68,7 @@ pub async fn chat_step(app: &Arc<AppState>, obj: &Map<String, Value>) -> Result<
         Ok(step) => step,
         Err(e) => {
             // A first step that failed opens nothing: the client retries it as it was.
-            if opened {
+            if open.is_some() {
                 app.episodes.discard(id);
             }
             return Err(e);

@@ -14,9 +14,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 BIN = os.environ.get("RECALL_BIN", str(ROOT / "target" / "debug" / "recall"))
 
 
-@contextlib.contextmanager
-def serve(*args: str):
-    """Runs `recall serve --backend cpu --port 0 ARGS...`; yields its base URL (`http://127.0.0.1:N`)."""
+def start(*args: str):
+    """Starts `recall serve --backend cpu --port 0 ARGS...`; (the process, its base URL
+    `http://127.0.0.1:N`, its log so far, kept growing by a thread)."""
     proc = subprocess.Popen([BIN, "serve", "--backend", "cpu", "--port", "0", *args], stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "RUST_LOG": "recall=info"})
     log, found = [], None
@@ -28,6 +28,13 @@ def serve(*args: str):
             break
     assert found, "recall serve did not start:\n" + "".join(log)
     threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
+    return proc, found, log
+
+
+@contextlib.contextmanager
+def serve(*args: str):
+    """Runs `recall serve --backend cpu --port 0 ARGS...`; yields its base URL (`http://127.0.0.1:N`)."""
+    proc, found, log = start(*args)
     try:
         yield found
     finally:

@@ -27,13 +27,10 @@ import base64
 import json
 import os
 import pathlib
-import re
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -41,7 +38,7 @@ import urllib.request
 import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_prometheus
-from recall_server import BIN
+from recall_server import BIN, start
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODEL = ROOT / "tests" / "fixtures" / "tiny-qwen3-vl"
@@ -62,20 +59,8 @@ class Replica:
     def __init__(self, name: str, episode_dir: pathlib.Path):
         self.name = name
         self.episode_dir = episode_dir
-        self.proc = subprocess.Popen(
-            [BIN, "serve", "--backend", "cpu", "--port", "0", "--model", str(MODEL), "--served-model-name",
-             "tiny", "--replica-id", name, "--episode-dir", str(episode_dir)],
-            stderr=subprocess.PIPE, text=True, env={**os.environ, "RUST_LOG": "recall=info"})
-        self.log = []
-        for line in self.proc.stderr:
-            self.log.append(line)
-            m = re.search(r"serving on (http://\S+)", line)
-            if m:
-                self.url = m.group(1)
-                break
-        else:
-            raise AssertionError("recall serve did not start:\n" + "".join(self.log))
-        threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
+        self.proc, self.url, self.log = start("--model", str(MODEL), "--served-model-name", "tiny",
+                                              "--replica-id", name, "--episode-dir", str(episode_dir))
 
     def kill(self):
         self.proc.kill()
