@@ -781,3 +781,57 @@ fn every_command_takes_a_backend_and_cuda_without_a_gpu_fails_in_one_line() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stderr(&o).contains("backend: cpu"), "{}", stderr(&o));
 }
+
+/// `recall episode merge-eval` refuses what it cannot merge, naming the file or the shard, and
+/// writes nothing: a missing shard, a shard that is not an eval.json, shards of another policy or
+/// budget, an episode in two shards.
+#[test]
+fn merge_eval_refuses_shards_it_cannot_merge() {
+    let tmp = tempfile::tempdir().unwrap();
+    let shard = |name: &str, policy: &str, budget: usize, episode: &str| {
+        let dir = tmp.path().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let doc = serde_json::json!({
+            "policy": policy, "budget": budget,
+            "bootstrap": {"resamples": 10, "seed": 0, "confidence": 0.95},
+            "rows": [{"episode": episode, "t": 1, "recent": [], "allocation": [], "k": 0, "matches": true,
+                      "recent_matches": false, "q": -1.0, "q_recent": -1.0, "margin": 0.0}],
+        });
+        std::fs::write(dir.join("eval.json"), doc.to_string()).unwrap();
+        dir.to_str().unwrap().to_string()
+    };
+    let a = shard("a", "recent", 2, "ep-a");
+    let other_budget = shard("b", "recent", 4, "ep-b");
+    let same_episode = shard("c", "recent", 2, "ep-a");
+    let broken = tmp.path().join("d");
+    std::fs::create_dir_all(&broken).unwrap();
+    std::fs::write(broken.join("eval.json"), "{\"policy\": 3}").unwrap();
+    let missing = tmp.path().join("nowhere").to_str().unwrap().to_string();
+    let out = tmp.path().join("out");
+    let merge = |shards: &[&str]| {
+        let mut args = vec!["episode", "merge-eval", "--out", out.to_str().unwrap()];
+        args.extend(shards);
+        recall(&args)
+    };
+    for (shards, want) in [
+        (vec![a.as_str(), missing.as_str()], "nowhere/eval.json"),
+        (vec![a.as_str(), broken.to_str().unwrap()], "d/eval.json"),
+        (
+            vec![a.as_str(), other_budget.as_str()],
+            "shard 1 evaluated policy `recent` at B = 4",
+        ),
+        (
+            vec![a.as_str(), same_episode.as_str()],
+            "episode `ep-a` of shard 1",
+        ),
+    ] {
+        let o = merge(&shards);
+        assert!(!o.status.success(), "{shards:?}");
+        assert!(stderr(&o).contains(want), "{shards:?}: {}", stderr(&o));
+        assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
+        assert!(!out.exists(), "a refused merge wrote {}", out.display());
+    }
+    let o = merge(&[a.as_str(), other_budget.as_str()][..1]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(out.join("eval.json").exists() && out.join("eval.md").exists());
+}
