@@ -4,22 +4,29 @@
 //! registers on every thread. `cargo bench --bench gemm`; `tools/cpu_compare.py` measures PyTorch's 2048³ matmul.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use recall::backend::cpu::gemm::{gemm, Elem, Packed, RowBits};
+use recall::backend::cpu::gemm::{gemm, Matrix, RowMajor};
 
-fn packed(n: usize, k: usize, elem: Elem) -> Packed {
+/// A random weight `[n, k]` as a checkpoint stores it: f32 values or bf16 little-endian bytes.
+enum Stored {
+    F32(Vec<f32>),
+    Bf16(Vec<u8>),
+}
+
+fn stored(n: usize, k: usize, bf16: bool) -> Stored {
     let mut rng = fastrand::Rng::with_seed(3);
-    let rows: Vec<Vec<f32>> = (0..n)
-        .map(|_| (0..k).map(|_| rng.f32() - 0.5).collect())
-        .collect();
-    Packed::new(n, k, elem, |c| match elem {
-        Elem::F32 => RowBits::F32(rows[c].clone()),
-        _ => RowBits::Half(
-            rows[c]
-                .iter()
-                .map(|&v| half::bf16::from_f32(v).to_bits())
-                .collect(),
-        ),
-    })
+    let v: Vec<f32> = (0..n * k).map(|_| rng.f32() - 0.5).collect();
+    if bf16 {
+        Stored::Bf16(v.iter().flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()).collect())
+    } else {
+        Stored::F32(v)
+    }
+}
+
+fn matrix(s: &Stored, n: usize, k: usize) -> Matrix<'_> {
+    match s {
+        Stored::F32(v) => Matrix::new(n, k, RowMajor::F32(v)),
+        Stored::Bf16(b) => Matrix::new(n, k, RowMajor::Bf16(b)),
+    }
 }
 
 fn peak(c: &mut Criterion) {
@@ -45,9 +52,11 @@ fn bench(c: &mut Criterion) {
         (1278, 6144, 2048, "2b_up_1278"),
         (1278, 2048, 6144, "2b_down_1278"),
         (1, 6144, 2048, "2b_up_decode"),
+        (1, 151936, 2048, "2b_lm_head_decode"),
     ] {
-        for (elem, label) in [(Elem::F32, "f32"), (Elem::Bf16, "bf16")] {
-            let w = packed(n, k, elem);
+        for (bf16, label) in [(false, "f32"), (true, "bf16")] {
+            let s = stored(n, k, bf16);
+            let w = matrix(&s, n, k);
             let x: Vec<f32> = (0..m * k).map(|i| ((i % 97) as f32) * 0.01 - 0.4).collect();
             let mut y = vec![0f32; m * n];
             g.throughput(Throughput::Elements((2 * m * n * k) as u64));

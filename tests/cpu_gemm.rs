@@ -4,12 +4,46 @@
 //! do not fill the tiles; and a row's bits do not depend on how many rows share the call or how many
 //! threads run it.
 
-use recall::backend::cpu::gemm::{gemm, gemm_with, Elem, Isa, Packed, RowBits};
+use recall::backend::cpu::gemm::{gemm, gemm_with, Isa, Matrix, RowMajor};
 
-/// A weight `[n, k]` in `elem`, with its values as f32 (what the kernel must widen them to).
-fn weight(rng: &mut fastrand::Rng, n: usize, k: usize, elem: Elem) -> (Packed, Vec<f32>) {
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Elem {
+    F32,
+    Bf16,
+    F16,
+}
+
+/// A weight `[n, k]` as a checkpoint stores it (f32 values, or 16-bit words as little-endian
+/// bytes from byte `offset` on, which need not be aligned), with its values as f32 (what the
+/// kernel must widen them to).
+struct Stored {
+    n: usize,
+    k: usize,
+    f32s: Vec<f32>,
+    bytes: Vec<u8>,
+    offset: usize,
+    elem: Elem,
+}
+
+impl Stored {
+    fn matrix(&self) -> Matrix<'_> {
+        let b = &self.bytes[self.offset..];
+        let data = match self.elem {
+            Elem::F32 => RowMajor::F32(&self.f32s),
+            Elem::Bf16 => RowMajor::Bf16(b),
+            Elem::F16 => RowMajor::F16(b),
+        };
+        Matrix::new(self.n, self.k, data)
+    }
+}
+
+fn weight(rng: &mut fastrand::Rng, n: usize, k: usize, elem: Elem) -> (Stored, Vec<f32>) {
+    weight_at(rng, n, k, elem, 0)
+}
+
+fn weight_at(rng: &mut fastrand::Rng, n: usize, k: usize, elem: Elem, offset: usize) -> (Stored, Vec<f32>) {
     let f: Vec<f32> = (0..n * k).map(|_| rng.f32() * 2.0 - 1.0).collect();
-    let (bits, values): (Vec<u16>, Vec<f32>) = match elem {
+    let (words, values): (Vec<u16>, Vec<f32>) = match elem {
         Elem::F32 => (Vec::new(), f.clone()),
         Elem::Bf16 => f
             .iter()
@@ -26,11 +60,17 @@ fn weight(rng: &mut fastrand::Rng, n: usize, k: usize, elem: Elem) -> (Packed, V
             })
             .unzip(),
     };
-    let packed = Packed::new(n, k, elem, |c| match elem {
-        Elem::F32 => RowBits::F32(f[c * k..(c + 1) * k].to_vec()),
-        _ => RowBits::Half(bits[c * k..(c + 1) * k].to_vec()),
-    });
-    (packed, values)
+    let mut bytes = vec![0u8; offset];
+    bytes.extend(words.iter().flat_map(|w| w.to_le_bytes()));
+    let stored = Stored {
+        n,
+        k,
+        f32s: f,
+        bytes,
+        offset,
+        elem,
+    };
+    (stored, values)
 }
 
 /// The definition.
@@ -67,18 +107,24 @@ fn every_path_computes_the_definition_bitwise() {
         (200, 17, 64),
         (2, 40, 0),
         (6, 32, 256),
-        // Past the rows where bf16 blocks are widened once: two blocks of k, two chunks of rows.
+        // Past the rows where long blocks are packed once: two blocks of k, two chunks of rows.
         (100, 130, 1100),
+        // Few rows: blocks of 128 steps with a tail past the last whole transpose; a panel of
+        // 9 columns (AVX2's second half holds one).
+        (3, 9, 300),
+        (31, 20, 2100),
+        (32, 9, 40),
     ] {
         for elem in [Elem::F32, Elem::Bf16, Elem::F16] {
-            let (packed, w) = weight(&mut rng, n, k, elem);
+            let (stored, w) = weight(&mut rng, n, k, elem);
+            let matrix = stored.matrix();
             let x: Vec<f32> = (0..m * k).map(|_| rng.f32() * 4.0 - 2.0).collect();
             let b: Vec<f32> = (0..n).map(|_| rng.f32()).collect();
             for bias in [None, Some(b.as_slice())] {
                 let want = reference(&x, m, &w, n, k, bias);
                 for &isa in &paths {
                     let mut y = vec![f32::NAN; m * n];
-                    gemm_with(isa, &x, m, &packed, bias, &mut y);
+                    gemm_with(isa, &x, m, &matrix, bias, &mut y);
                     assert_eq!(
                         bits(&y),
                         bits(&want),
@@ -95,17 +141,18 @@ fn every_path_computes_the_definition_bitwise() {
 fn a_row_does_not_depend_on_its_batch_or_the_thread_count() {
     let mut rng = fastrand::Rng::with_seed(2);
     let (m, n, k) = (300, 70, 600);
-    let (packed, _) = weight(&mut rng, n, k, Elem::Bf16);
+    let (stored, _) = weight(&mut rng, n, k, Elem::Bf16);
+    let matrix = stored.matrix();
     let x: Vec<f32> = (0..m * k).map(|_| rng.f32() - 0.5).collect();
     let mut all = vec![0f32; m * n];
-    gemm(&x, m, &packed, None, &mut all);
+    gemm(&x, m, &matrix, None, &mut all);
     for r in [0, 1, 5, 6, 191, 192, 299] {
         let mut one = vec![0f32; n];
-        gemm(&x[r * k..(r + 1) * k], 1, &packed, None, &mut one);
+        gemm(&x[r * k..(r + 1) * k], 1, &matrix, None, &mut one);
         assert_eq!(bits(&one), bits(&all[r * n..(r + 1) * n]), "row {r} alone");
         let mut some = vec![0f32; 3 * n];
         let start = r.min(m - 3);
-        gemm(&x[start * k..(start + 3) * k], 3, &packed, None, &mut some);
+        gemm(&x[start * k..(start + 3) * k], 3, &matrix, None, &mut some);
         assert_eq!(
             bits(&some[(r - start) * n..(r - start + 1) * n]),
             bits(&all[r * n..(r + 1) * n]),
@@ -118,25 +165,46 @@ fn a_row_does_not_depend_on_its_batch_or_the_thread_count() {
             .build()
             .unwrap();
         let mut y = vec![0f32; m * n];
-        pool.install(|| gemm(&x, m, &packed, None, &mut y));
+        pool.install(|| gemm(&x, m, &matrix, None, &mut y));
         assert_eq!(bits(&y), bits(&all), "{threads} threads");
     }
 }
 
 #[test]
-fn bf16_widened_over_several_runs_of_panels_computes_the_definition_bitwise() {
+fn several_runs_of_packed_panels_compute_the_definition_bitwise() {
     // On one thread a call of 3,100 columns gives each task 27 panels of 16 columns: more than
-    // one run of widened panels (24), so runs after the first start inside a task; 33 rows are
-    // past the widening threshold (32) and k spans two blocks.
+    // one run of packed panels (24), so runs after the first start inside a task; 33 rows are
+    // past the long-block threshold (32) and k spans two blocks.
     let mut rng = fastrand::Rng::with_seed(3);
     let (m, n, k) = (33, 3100, 1100);
-    let (packed, w) = weight(&mut rng, n, k, Elem::Bf16);
+    let (stored, w) = weight(&mut rng, n, k, Elem::Bf16);
+    let matrix = stored.matrix();
     let x: Vec<f32> = (0..m * k).map(|_| rng.f32() * 4.0 - 2.0).collect();
     let want = reference(&x, m, &w, n, k, None);
     let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
     for isa in PATHS.into_iter().filter(|i| i.available()) {
         let mut y = vec![f32::NAN; m * n];
-        pool.install(|| gemm_with(isa, &x, m, &packed, None, &mut y));
+        pool.install(|| gemm_with(isa, &x, m, &matrix, None, &mut y));
         assert_eq!(bits(&y), bits(&want), "{isa:?}");
+    }
+}
+
+#[test]
+fn half_width_weights_at_any_byte_offset_compute_the_definition_bitwise() {
+    // A checkpoint's tensors start wherever its header ends: 16-bit words at an odd address.
+    let mut rng = fastrand::Rng::with_seed(4);
+    let (m, n, k) = (40, 35, 260);
+    for elem in [Elem::Bf16, Elem::F16] {
+        let (stored, w) = weight_at(&mut rng, n, k, elem, 1);
+        let matrix = stored.matrix();
+        let x: Vec<f32> = (0..m * k).map(|_| rng.f32() * 4.0 - 2.0).collect();
+        let want = reference(&x, m, &w, n, k, None);
+        for isa in PATHS.into_iter().filter(|i| i.available()) {
+            for rows in [1, m] {
+                let mut y = vec![f32::NAN; rows * n];
+                gemm_with(isa, &x[..rows * k], rows, &matrix, None, &mut y);
+                assert_eq!(bits(&y), bits(&want[..rows * n]), "{isa:?} {elem:?} {rows} rows");
+            }
+        }
     }
 }

@@ -23,12 +23,12 @@ const GEMMS: [(&str, RunFn<CpuBackend>); 4] = [
 /// core). Larger cases (most of the perf table's GEMMs) count as not applicable for it.
 const PORTABLE_MAX_FMAS: usize = 1 << 26;
 
-/// `linear` through `gemm_with` on instruction set `ISAS[I]`, on the weight's own panels.
+/// `linear` through `gemm_with` on instruction set `ISAS[I]`, on the weight where it lies.
 fn gemm_on<const I: usize>(_: &CpuBackend, o: &mut Operands<CpuBackend>) -> Result<Outs<CpuBackend>> {
     let x = o.act(0)?;
     let panels = o
         .weight(0)?
-        .gemm_panels()
+        .matrix()
         .ok_or_else(|| Error::InvalidRequest("kernel bench: linear weight is not 2-D".into()))?;
     if ISAS[I] == Isa::Portable && x.rows * panels.k * panels.n > PORTABLE_MAX_FMAS {
         return Ok(None);
@@ -41,7 +41,7 @@ fn gemm_on<const I: usize>(_: &CpuBackend, o: &mut Operands<CpuBackend>) -> Resu
         )));
     }
     let mut y = vec![0f32; x.rows * panels.n];
-    gemm_with(ISAS[I], &x.data, x.rows, panels, bias, &mut y);
+    gemm_with(ISAS[I], &x.data, x.rows, &panels, bias, &mut y);
     Ok(Some(vec![Out::Tensor(CpuTensor {
         data: y,
         rows: x.rows,

@@ -15,13 +15,19 @@
 //! in a 4,096-row prefill, on every path — AVX-512F, AVX2 with FMA, NEON, and the portable
 //! `f32::mul_add` loop that defines the result.
 //!
-//! Weights are packed once (on first use) into panels `[n / 16][k][16]`: the 16 weights a step of the
-//! chain needs for 16 columns are contiguous. bf16 and f16 weights stay 16-bit in the panels and are
-//! widened exactly inside the kernel, so decoding reads half the bytes of f32.
+//! **The weight is read where it lies**, row-major in the checkpoint's mapping, in its own dtype:
+//! nothing is packed at load and no second copy of the model is kept. Each call packs the block of
+//! the weight it is about to use — a run of panels `[16 columns][kc steps]`, transposed to
+//! `[kc][16]` and widened exactly to f32 (`pack.rs`) — into a per-thread buffer, and runs the f32
+//! micro-kernel over it for every row. A prefill packs long blocks once and streams all its rows
+//! over each; a decode packs small ones that stay in the L1 cache while its row passes, so the
+//! weight is streamed from memory once, at its stored width (bf16 reads half the bytes of f32).
 
 use std::sync::OnceLock;
 
 use rayon::prelude::*;
+
+use super::pack;
 
 /// Output columns per panel (one AVX-512 register of f32).
 pub const NR: usize = 16;
@@ -32,123 +38,38 @@ const NP: usize = 3;
 
 /// The accumulators of one micro-kernel call, in memory between calls.
 type TileBuf = [[f32; NP * NR]; MR];
-/// Steps of `k` per block: a block of two panels (`KC · 16 · 2` weights) stays in the L1/L2 cache
-/// while the rows of a chunk pass over it.
+/// Steps of `k` per block of a many-row call: `MC · KC` inputs stay in the L2 cache while the
+/// panels pass over them.
 const KC: usize = 1024;
-/// Rows per chunk: `MC · KC` inputs stay in the L2 cache while the panels pass over them.
+/// Rows per chunk of a many-row call.
 const MC: usize = 96;
+/// Rows from which a call packs long blocks ([`WIDE`]); below it, blocks for one micro-kernel
+/// call ([`NARROW`]). Each packed block streams every row of `x` once more, which few rows do
+/// cheaply.
+const WIDE_ROWS: usize = 32;
 
-/// A weight packed into panels.
-pub struct Packed {
-    /// Input width (the reduction length).
-    pub k: usize,
-    /// Output width (columns of `y`).
-    pub n: usize,
-    data: PanelData,
+/// The packed block one call uses: `panels` panels of `kc` steps.
+#[derive(Debug, Clone, Copy)]
+struct BlockShape {
+    panels: usize,
+    kc: usize,
 }
 
-impl std::fmt::Debug for Packed {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "Packed {{ n: {}, k: {}, bytes: {} }}",
-            self.n,
-            self.k,
-            self.bytes()
-        )
-    }
-}
+/// Many rows: runs of 24 panels (the 2B MLP's tasks hold 24 and 9 panels on two threads), `KC`
+/// steps: 1.5 MiB packed once and used by every row (docs/PERFORMANCE.md, 2026-12-04).
+const WIDE: BlockShape = BlockShape {
+    panels: 8 * NP,
+    kc: KC,
+};
+/// Few rows (decode): one micro-kernel call's panels for 128 steps, 24 KiB: packed into L1 and
+/// read back at once.
+const NARROW: BlockShape = BlockShape {
+    panels: NP,
+    kc: 128,
+};
 
-/// Panel storage, `[ceil(n / 16)][k][16]`; columns past `n` are zero.
-enum PanelData {
-    F32(Vec<f32>),
-    /// bf16 bit patterns.
-    Bf16(Vec<u16>),
-    /// IEEE half bit patterns.
-    F16(Vec<u16>),
-}
-
-/// The element type a weight is kept in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Elem {
-    F32,
-    Bf16,
-    F16,
-}
-
-impl Packed {
-    /// Packs `W: [n, k]`, whose row `c` (as `Elem`) is given by `row(c)` as 32- or 16-bit words.
-    pub fn new(n: usize, k: usize, elem: Elem, row: impl Fn(usize) -> RowBits + Sync) -> Packed {
-        let panels = n.div_ceil(NR);
-        let data = match elem {
-            Elem::F32 => {
-                let rows: Vec<Vec<f32>> = (0..n)
-                    .map(|c| match row(c) {
-                        RowBits::F32(v) => v,
-                        RowBits::Half(_) => unreachable!("an f32 weight gives f32 rows"),
-                    })
-                    .collect();
-                PanelData::F32(pack(panels, n, k, |c, i| rows[c][i]))
-            }
-            Elem::Bf16 | Elem::F16 => {
-                let rows: Vec<Vec<u16>> = (0..n)
-                    .map(|c| match row(c) {
-                        RowBits::Half(v) => v,
-                        RowBits::F32(_) => unreachable!("a 16-bit weight gives 16-bit rows"),
-                    })
-                    .collect();
-                let bits = pack(panels, n, k, |c, i| rows[c][i]);
-                if elem == Elem::Bf16 {
-                    PanelData::Bf16(bits)
-                } else {
-                    PanelData::F16(bits)
-                }
-            }
-        };
-        Packed { k, n, data }
-    }
-
-    /// Packs `W: [n, k]` straight from its row-major storage (a memory-mapped checkpoint's bytes):
-    /// no row is copied out first and no panel is zeroed before it is written.
-    pub fn from_row_major(n: usize, k: usize, w: RowMajor<'_>) -> Packed {
-        let panels = n.div_ceil(NR);
-        let data = match w {
-            RowMajor::F32(v) => {
-                assert_eq!(v.len(), n * k, "an [n, k] weight");
-                PanelData::F32(pack(panels, n, k, |c, i| v[c * k + i]))
-            }
-            RowMajor::Bf16(b) | RowMajor::F16(b) => {
-                assert_eq!(b.len(), 2 * n * k, "an [n, k] weight of 16-bit words");
-                let bits = pack(panels, n, k, |c, i| {
-                    let at = 2 * (c * k + i);
-                    u16::from_le_bytes([b[at], b[at + 1]])
-                });
-                if matches!(w, RowMajor::Bf16(_)) {
-                    PanelData::Bf16(bits)
-                } else {
-                    PanelData::F16(bits)
-                }
-            }
-        };
-        Packed { k, n, data }
-    }
-
-    /// Bytes the panels take.
-    pub fn bytes(&self) -> usize {
-        match &self.data {
-            PanelData::F32(v) => v.len() * 4,
-            PanelData::Bf16(v) | PanelData::F16(v) => v.len() * 2,
-        }
-    }
-}
-
-/// One row of a weight as stored: f32 values or 16-bit patterns.
-pub enum RowBits {
-    F32(Vec<f32>),
-    Half(Vec<u16>),
-}
-
-/// A weight `[n, k]` as stored, row-major: f32 values or little-endian 16-bit words.
+/// A weight `[n, k]` as stored, row-major: f32 values or little-endian 16-bit words (the
+/// checkpoint's bytes, at any alignment).
 #[derive(Debug, Clone, Copy)]
 pub enum RowMajor<'a> {
     F32(&'a [f32]),
@@ -156,38 +77,39 @@ pub enum RowMajor<'a> {
     F16(&'a [u8]),
 }
 
-/// Panels `[panels][k][NR]` with `at(c, i)` = `W[c][i]` (zero past `n`). Every element is written
-/// exactly once, so the buffer is never zeroed first (fresh pages are zeroed by the kernel anyway:
-/// a second pass over gigabytes of panels was the largest cost of loading).
-fn pack<T: Copy + Default + Send + Sync>(
-    panels: usize,
-    n: usize,
-    k: usize,
-    at: impl Fn(usize, usize) -> T + Sync,
-) -> Vec<T> {
-    /// Steps of `k` per tile: the tile's `NR` source rows are read in runs of this many elements.
-    const TILE: usize = 64;
-    let len = panels * k * NR;
-    let mut out: Vec<T> = Vec::with_capacity(len);
-    out.spare_capacity_mut()[..len]
-        .par_chunks_mut((k * NR).max(1))
-        .enumerate()
-        .for_each(|(p, panel)| {
-            for i0 in (0..k).step_by(TILE) {
-                let i1 = (i0 + TILE).min(k);
-                for j in 0..NR {
-                    let c = p * NR + j;
-                    for i in i0..i1 {
-                        panel[i * NR + j].write(if c < n { at(c, i) } else { T::default() });
-                    }
-                }
+/// A weight `W: [n, k]` the GEMM multiplies by: a view of its row-major storage.
+///
+/// ```
+/// use recall::backend::cpu::gemm::{gemm, Matrix, RowMajor};
+/// // W = [[1, 2], [3, 4], [5, 6]]: n = 3 outputs of k = 2 inputs.
+/// let w = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+/// let w = Matrix::new(3, 2, RowMajor::F32(&w));
+/// let mut y = [0.0; 3];
+/// gemm(&[1.0, 10.0], 1, &w, None, &mut y);
+/// assert_eq!(y, [21.0, 43.0, 65.0]);
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct Matrix<'a> {
+    /// Output width (columns of `y`, rows of `W`).
+    pub n: usize,
+    /// Input width (the reduction length).
+    pub k: usize,
+    pub(super) data: RowMajor<'a>,
+}
+
+impl<'a> Matrix<'a> {
+    /// `W: [n, k]` over `data`, which must hold exactly `n · k` elements.
+    pub fn new(n: usize, k: usize, data: RowMajor<'a>) -> Matrix<'a> {
+        let len = match data {
+            RowMajor::F32(v) => v.len(),
+            RowMajor::Bf16(b) | RowMajor::F16(b) => {
+                assert!(b.len().is_multiple_of(2), "16-bit words");
+                b.len() / 2
             }
-        });
-    // SAFETY: the chunks cover `out[..len]` (the last one may be short only when `k * NR` is 0,
-    // then `len` is 0) and the loops above write every element of every chunk once:
-    // `i` in `0..k`, `j` in `0..NR`.
-    unsafe { out.set_len(len) };
-    out
+        };
+        assert_eq!(len, n * k, "an [{n}, {k}] weight");
+        Matrix { n, k, data }
+    }
 }
 
 /// An instruction set the kernels are written for.
@@ -258,12 +180,12 @@ impl Isa {
 }
 
 /// `y[m, n] = x[m, k] · Wᵀ (+ bias)` with the detected instruction set.
-pub fn gemm(x: &[f32], m: usize, w: &Packed, bias: Option<&[f32]>, y: &mut [f32]) {
+pub fn gemm(x: &[f32], m: usize, w: &Matrix<'_>, bias: Option<&[f32]>, y: &mut [f32]) {
     gemm_with(Isa::detect(), x, m, w, bias, y)
 }
 
 /// [`gemm`] on a given instruction set (which must be [`available`](Isa::available)).
-pub fn gemm_with(isa: Isa, x: &[f32], m: usize, w: &Packed, bias: Option<&[f32]>, y: &mut [f32]) {
+pub fn gemm_with(isa: Isa, x: &[f32], m: usize, w: &Matrix<'_>, bias: Option<&[f32]>, y: &mut [f32]) {
     let (k, n) = (w.k, w.n);
     assert!(isa.available(), "{isa:?} is not available on this CPU");
     assert_eq!(x.len(), m * k, "x is not [{m}, {k}]");
@@ -297,103 +219,59 @@ pub fn gemm_with(isa: Isa, x: &[f32], m: usize, w: &Packed, bias: Option<&[f32]>
     }
 }
 
-/// Columns of panels `p0..p1` for every row: blocks of `k`; within one, chunks of `MC` rows (kept in
-/// the L2 cache), then groups of `NP` panels (their `KC` steps kept in L1/L2), then tiles of `MR`
-/// rows.
-fn panel_range(isa: Isa, x: &[f32], m: usize, w: &Packed, p0: usize, p1: usize, y: &mut [f32]) {
-    if matches!(w.data, PanelData::Bf16(_)) && m >= WIDEN_ROWS {
-        return widened_range(isa, x, m, w, p0, p1, y);
-    }
-    let k = w.k;
-    let mut tile: TileBuf = [[0f32; NP * NR]; MR];
-    for k0 in (0..k).step_by(KC) {
-        let block = Block {
-            x,
-            k,
-            k0,
-            kc: KC.min(k - k0),
-            carry: k0 > 0,
-        };
-        let panels = |p: usize| match &w.data {
-            PanelData::F32(d) => Weights::F32(&d[p * k * NR..]),
-            PanelData::Bf16(d) => Weights::Bf16(&d[p * k * NR..]),
-            PanelData::F16(d) => Weights::F16(&d[p * k * NR..]),
-        };
-        block_pass(isa, &block, (m, w.n), (p0, p1), (panels, k), &mut tile, y);
-    }
-}
-
-/// Rows from which a bf16 weight is widened to f32 once per block instead of at every load of
-/// the micro-kernel: below it the kernel's own widening is cheaper than a pass over the block.
-const WIDEN_ROWS: usize = 32;
-/// Panels widened at a time: `WIDEN_PANELS · KC · 16` f32 (1.5 MiB, in L3 beside a 384 KiB chunk
-/// of `x`). Every run streams all rows of `x` once more, so runs must be long (runs of 6 measured
-/// slower on the 2B MLP shapes, docs/PERFORMANCE.md, 2026-12-04); the cap keeps the buffer small
-/// when a task spans many panels (wide weights, few threads).
-const WIDEN_PANELS: usize = 8 * NP;
-
 thread_local! {
-    /// Each thread's widened block, reused across calls.
-    static WIDENED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// Each thread's packed block, reused across calls.
+    static PACKED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// [`panel_range`] for a bf16 weight and many rows: runs of `WIDEN_PANELS` panels, and within one,
-/// each block of `k` widened to f32 (exactly: bf16 → f32 is a shift) into a thread's buffer, then
-/// the f32 micro-kernel over it for every row. Each output element's chain still runs over `k` in
-/// order from 0, so every bit equals [`panel_range`]'s.
-fn widened_range(isa: Isa, x: &[f32], m: usize, w: &Packed, p0: usize, p1: usize, y: &mut [f32]) {
+/// Columns of panels `p0..p1` for every row: runs of panels, and within one, each block of `k`
+/// packed to f32 panels `[kc][16]` (exactly: a transposed copy, bf16 and f16 widened) into the
+/// thread's buffer, then the micro-kernel over it for every row. Each output element's chain runs
+/// over `k` in order from 0 whatever the block shape, so every bit is the same for any `m`.
+fn panel_range(isa: Isa, x: &[f32], m: usize, w: &Matrix<'_>, p0: usize, p1: usize, y: &mut [f32]) {
     let k = w.k;
-    let PanelData::Bf16(bits) = &w.data else {
-        unreachable!("only bf16 panels are widened")
-    };
-    WIDENED.with_borrow_mut(|buf| {
-        buf.resize(WIDEN_PANELS * KC * NR, 0.0);
+    let shape = if m >= WIDE_ROWS { WIDE } else { NARROW };
+    PACKED.with_borrow_mut(|buf| {
+        buf.resize(shape.panels * shape.kc * NR, 0.0);
         let mut tile: TileBuf = [[0f32; NP * NR]; MR];
-        for s0 in (p0..p1).step_by(WIDEN_PANELS) {
-            let s1 = (s0 + WIDEN_PANELS).min(p1);
-            for k0 in (0..k).step_by(KC) {
-                let kc = KC.min(k - k0);
-                for p in s0..s1 {
-                    let src = &bits[p * k * NR + k0 * NR..p * k * NR + (k0 + kc) * NR];
-                    let dst = &mut buf[(p - s0) * kc * NR..(p - s0 + 1) * kc * NR];
-                    for (d, &b) in dst.iter_mut().zip(src) {
-                        *d = f32::from_bits(u32::from(b) << 16);
-                    }
-                }
-                // The widened block's steps run from 0: `x` starts at column `k0`.
+        for s0 in (p0..p1).step_by(shape.panels) {
+            let s1 = (s0 + shape.panels).min(p1);
+            for k0 in (0..k).step_by(shape.kc) {
+                let kc = shape.kc.min(k - k0);
+                let len = (s1 - s0) * kc * NR;
+                pack::panels(isa, w, (s0, s1), (k0, kc), &mut buf[..len]);
+                // The packed block's steps run from 0: `x` starts at column `k0`.
                 let block = Block {
                     x: &x[k0..],
                     k,
-                    k0: 0,
                     kc,
                     carry: k0 > 0,
                 };
-                let panels = |p: usize| Weights::F32(&buf[(p - s0) * kc * NR..]);
-                block_pass(isa, &block, (m, w.n), (s0, s1), (panels, kc), &mut tile, y);
+                let panels = |p: usize| &buf[(p - s0) * kc * NR..len];
+                block_pass(isa, &block, (m, w.n), (s0, s1), panels, &mut tile, y);
             }
         }
     });
 }
 
-/// One block of `k` as the micro-kernels see it: steps `k0..k0 + kc` of `x` (row stride `k`) and
-/// of the panels; `carry` adds to the partial sums of the earlier blocks that `y` holds.
+/// One block of `k` as the micro-kernels see it: steps `0..kc` of `x` (row stride `k`) and of the
+/// packed panels; `carry` adds to the partial sums of the earlier blocks that `y` holds.
 struct Block<'a> {
     x: &'a [f32],
     k: usize,
-    k0: usize,
     kc: usize,
     carry: bool,
 }
 
-/// One [`Block`] over rows `0..m` and panels `p0..p1` (the panels from panel `p` on, `stride`
-/// steps apart, from `panels.0(p)`): chunks of `MC` rows, groups of `NP` panels, tiles of `MR`
-/// rows.
+/// One [`Block`] over rows `0..m` and panels `p0..p1` (the packed panels from panel `p` on,
+/// `kc · 16` elements apart, from `panels(p)`): chunks of `MC` rows, groups of `NP` panels, tiles
+/// of `MR` rows.
 fn block_pass<'w>(
     isa: Isa,
     block: &Block<'_>,
     (m, n): (usize, usize),
     (p0, p1): (usize, usize),
-    (panels, stride): (impl Fn(usize) -> Weights<'w>, usize),
+    panels: impl Fn(usize) -> &'w [f32],
     tile: &mut TileBuf,
     y: &mut [f32],
 ) {
@@ -417,12 +295,11 @@ fn block_pass<'w>(
                 let t = Tile {
                     x: &block.x[r0 * block.k..],
                     ldx: block.k,
-                    k0: block.k0,
                     kc: block.kc,
                     mr,
                     np,
                 };
-                kernel(isa, &t, panels(p), stride, tile);
+                kernel(isa, &t, panels(p), tile);
                 for (i, t) in tile.iter().enumerate().take(mr) {
                     y[rows(i)].copy_from_slice(&t[..cols]);
                 }
@@ -432,111 +309,81 @@ fn block_pass<'w>(
     }
 }
 
-/// One micro-kernel call: rows `0..mr` of `x` (row stride `ldx`), steps `k0..k0 + kc`, `np`
-/// (`1..=NP`) panels.
+/// One micro-kernel call: rows `0..mr` of `x` (row stride `ldx`), steps `0..kc`, `np` (`1..=NP`)
+/// packed panels `kc · 16` elements apart.
 #[derive(Clone, Copy)]
 struct Tile<'a> {
     x: &'a [f32],
     ldx: usize,
-    k0: usize,
     kc: usize,
     mr: usize,
     np: usize,
 }
 
-/// The panels of one call, from its first panel on (panels `k · 16` elements apart).
-#[derive(Clone, Copy)]
-enum Weights<'a> {
-    F32(&'a [f32]),
-    Bf16(&'a [u16]),
-    F16(&'a [u16]),
-}
-
-impl Weights<'_> {
-    /// Weight `j` of panel `p` at step `kk`, as f32 (exact for every storage type).
-    fn get(self, p: usize, kk: usize, j: usize, k: usize) -> f32 {
-        let i = p * k * NR + kk * NR + j;
-        match self {
-            Weights::F32(d) => d[i],
-            Weights::Bf16(d) => f32::from_bits(u32::from(d[i]) << 16),
-            Weights::F16(d) => half::f16::from_bits(d[i]).to_f32(),
-        }
-    }
-
-    /// Elements this call may read, and in how many bytes each.
-    fn len(self) -> usize {
-        match self {
-            Weights::F32(d) => d.len(),
-            Weights::Bf16(d) | Weights::F16(d) => d.len(),
-        }
-    }
-}
-
 /// `tile[i][p·16 + j] = fma(x[i][kk], W_p[kk][j], tile[i][p·16 + j])` for every step `kk` of the
 /// block, in order.
-fn kernel(isa: Isa, t: &Tile<'_>, w: Weights<'_>, k: usize, tile: &mut TileBuf) {
-    assert!(
-        w.len() >= (t.np - 1) * k * NR + (t.k0 + t.kc) * NR,
-        "panels out of range"
-    );
-    assert!(t.x.len() >= (t.mr - 1) * t.ldx + t.k0 + t.kc, "rows out of range");
+fn kernel(isa: Isa, t: &Tile<'_>, w: &[f32], tile: &mut TileBuf) {
+    assert!(w.len() >= t.np * t.kc * NR, "panels out of range");
+    assert!(t.x.len() >= (t.mr - 1) * t.ldx + t.kc, "rows out of range");
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `gemm_with` checked that the CPU has AVX-512F; the bounds are checked above.
-        Isa::Avx512 => unsafe { x86::avx512(t, w, k, tile) },
+        Isa::Avx512 => unsafe { x86::avx512(t, w, tile) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `gemm_with` checked AVX2, FMA and F16C; the bounds are checked above.
-        Isa::Avx2 => unsafe { x86::avx2(t, w, k, tile) },
+        Isa::Avx2 => unsafe { x86::avx2(t, w, tile) },
         #[cfg(target_arch = "aarch64")]
         // SAFETY: `gemm_with` checked NEON; the bounds are checked above.
-        Isa::Neon if matches!(w, Weights::F32(_)) => unsafe { arm::neon(t, w, k, tile) },
-        _ => portable(t, w, k, tile),
+        Isa::Neon => unsafe { arm::neon(t, w, tile) },
+        _ => portable(t, w, tile),
     }
 }
 
 /// The defining loop: one `mul_add` per step, in order of `k`.
-fn portable(t: &Tile<'_>, w: Weights<'_>, k: usize, tile: &mut TileBuf) {
+fn portable(t: &Tile<'_>, w: &[f32], tile: &mut TileBuf) {
+    let stride = t.kc * NR;
     for (i, row) in tile.iter_mut().enumerate().take(t.mr) {
-        for kk in t.k0..t.k0 + t.kc {
+        for kk in 0..t.kc {
             let xv = t.x[i * t.ldx + kk];
             for p in 0..t.np {
                 for j in 0..NR {
-                    row[p * NR + j] = xv.mul_add(w.get(p, kk, j, k), row[p * NR + j]);
+                    let wv = w[p * stride + kk * NR + j];
+                    row[p * NR + j] = xv.mul_add(wv, row[p * NR + j]);
                 }
             }
         }
     }
 }
 
-/// Calls `$f::<KIND, R, P>` for the runtime `(mr, np)` of a tile.
+/// Calls `$f::<R, P>` for the runtime `(mr, np)` of a tile.
 #[cfg(target_arch = "x86_64")]
 macro_rules! dispatch_tile {
-    ($f:ident, $kind:literal, $t:expr, ($($arg:expr),*)) => {
+    ($f:ident, $t:expr, ($($arg:expr),*)) => {
         match ($t.mr, $t.np) {
-            (8, 3) => $f::<$kind, 8, 3>($($arg),*),
-            (7, 3) => $f::<$kind, 7, 3>($($arg),*),
-            (6, 3) => $f::<$kind, 6, 3>($($arg),*),
-            (5, 3) => $f::<$kind, 5, 3>($($arg),*),
-            (4, 3) => $f::<$kind, 4, 3>($($arg),*),
-            (3, 3) => $f::<$kind, 3, 3>($($arg),*),
-            (2, 3) => $f::<$kind, 2, 3>($($arg),*),
-            (1, 3) => $f::<$kind, 1, 3>($($arg),*),
-            (8, 2) => $f::<$kind, 8, 2>($($arg),*),
-            (7, 2) => $f::<$kind, 7, 2>($($arg),*),
-            (6, 2) => $f::<$kind, 6, 2>($($arg),*),
-            (5, 2) => $f::<$kind, 5, 2>($($arg),*),
-            (4, 2) => $f::<$kind, 4, 2>($($arg),*),
-            (3, 2) => $f::<$kind, 3, 2>($($arg),*),
-            (2, 2) => $f::<$kind, 2, 2>($($arg),*),
-            (1, 2) => $f::<$kind, 1, 2>($($arg),*),
-            (8, 1) => $f::<$kind, 8, 1>($($arg),*),
-            (7, 1) => $f::<$kind, 7, 1>($($arg),*),
-            (6, 1) => $f::<$kind, 6, 1>($($arg),*),
-            (5, 1) => $f::<$kind, 5, 1>($($arg),*),
-            (4, 1) => $f::<$kind, 4, 1>($($arg),*),
-            (3, 1) => $f::<$kind, 3, 1>($($arg),*),
-            (2, 1) => $f::<$kind, 2, 1>($($arg),*),
-            (1, 1) => $f::<$kind, 1, 1>($($arg),*),
+            (8, 3) => $f::<8, 3>($($arg),*),
+            (7, 3) => $f::<7, 3>($($arg),*),
+            (6, 3) => $f::<6, 3>($($arg),*),
+            (5, 3) => $f::<5, 3>($($arg),*),
+            (4, 3) => $f::<4, 3>($($arg),*),
+            (3, 3) => $f::<3, 3>($($arg),*),
+            (2, 3) => $f::<2, 3>($($arg),*),
+            (1, 3) => $f::<1, 3>($($arg),*),
+            (8, 2) => $f::<8, 2>($($arg),*),
+            (7, 2) => $f::<7, 2>($($arg),*),
+            (6, 2) => $f::<6, 2>($($arg),*),
+            (5, 2) => $f::<5, 2>($($arg),*),
+            (4, 2) => $f::<4, 2>($($arg),*),
+            (3, 2) => $f::<3, 2>($($arg),*),
+            (2, 2) => $f::<2, 2>($($arg),*),
+            (1, 2) => $f::<1, 2>($($arg),*),
+            (8, 1) => $f::<8, 1>($($arg),*),
+            (7, 1) => $f::<7, 1>($($arg),*),
+            (6, 1) => $f::<6, 1>($($arg),*),
+            (5, 1) => $f::<5, 1>($($arg),*),
+            (4, 1) => $f::<4, 1>($($arg),*),
+            (3, 1) => $f::<3, 1>($($arg),*),
+            (2, 1) => $f::<2, 1>($($arg),*),
+            (1, 1) => $f::<1, 1>($($arg),*),
             _ => unreachable!("tiles are 1..=8 rows by 1..=3 panels"),
         }
     };
@@ -546,51 +393,25 @@ macro_rules! dispatch_tile {
 #[allow(clippy::needless_range_loop)] // register tiles read best as indexed loops
 mod x86 {
     //! AVX-512F (16 lanes: one register per panel) and AVX2 + FMA (8 lanes: two registers per
-    //! panel) kernels. Each accumulator lane is one output element and each step one fused
-    //! multiply-add: exactly `f32::mul_add`. The tile sizes are constants, so the accumulators stay
-    //! in registers.
+    //! panel) kernels over packed f32 panels. Each accumulator lane is one output element and each
+    //! step one fused multiply-add: exactly `f32::mul_add`. The tile sizes are constants, so the
+    //! accumulators stay in registers.
 
     use std::arch::x86_64::*;
 
-    use super::{Tile, TileBuf, Weights, MR, NR};
-
-    /// Storage kinds (`KIND`): f32, bf16, and anything else f16.
-    const F32: u8 = 0;
-    const BF16: u8 = 1;
+    use super::{Tile, TileBuf, MR, NR};
 
     /// # Safety
     /// The CPU must support AVX-512F; the caller checked the bounds of `t` and `w`.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn avx512(t: &Tile<'_>, w: Weights<'_>, k: usize, tile: &mut TileBuf) {
-        match w {
-            Weights::F32(d) => dispatch_tile!(tile512, 0, t, (t, d.as_ptr().cast(), k * NR, tile)),
-            Weights::Bf16(d) => dispatch_tile!(tile512, 1, t, (t, d.as_ptr().cast(), k * NR, tile)),
-            Weights::F16(d) => dispatch_tile!(tile512, 2, t, (t, d.as_ptr().cast(), k * NR, tile)),
-        }
-    }
-
-    /// 16 weights at element `idx` of storage `KIND`, widened to f32.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn load512<const KIND: u8>(base: *const u8, idx: usize) -> __m512 {
-        match KIND {
-            F32 => _mm512_loadu_ps(base.cast::<f32>().add(idx)),
-            BF16 => {
-                let raw = _mm256_loadu_si256(base.cast::<u16>().add(idx).cast());
-                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))
-            }
-            _ => _mm512_cvtph_ps(_mm256_loadu_si256(base.cast::<u16>().add(idx).cast())),
-        }
+    pub unsafe fn avx512(t: &Tile<'_>, w: &[f32], tile: &mut TileBuf) {
+        dispatch_tile!(tile512, t, (t, w.as_ptr(), tile))
     }
 
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn tile512<const KIND: u8, const R: usize, const P: usize>(
-        t: &Tile<'_>,
-        base: *const u8,
-        stride: usize,
-        tile: &mut TileBuf,
-    ) {
+    unsafe fn tile512<const R: usize, const P: usize>(t: &Tile<'_>, w: *const f32, tile: &mut TileBuf) {
+        let stride = t.kc * NR;
         let mut acc = [[_mm512_setzero_ps(); P]; R];
         for i in 0..R {
             for p in 0..P {
@@ -598,15 +419,15 @@ mod x86 {
             }
         }
         let x = t.x.as_ptr();
-        for kk in t.k0..t.k0 + t.kc {
-            let mut w = [_mm512_setzero_ps(); P];
+        for kk in 0..t.kc {
+            let mut wv = [_mm512_setzero_ps(); P];
             for p in 0..P {
-                w[p] = load512::<KIND>(base, p * stride + kk * NR);
+                wv[p] = _mm512_loadu_ps(w.add(p * stride + kk * NR));
             }
             for i in 0..R {
                 let xv = _mm512_set1_ps(*x.add(i * t.ldx + kk));
                 for p in 0..P {
-                    acc[i][p] = _mm512_fmadd_ps(xv, w[p], acc[i][p]);
+                    acc[i][p] = _mm512_fmadd_ps(xv, wv[p], acc[i][p]);
                 }
             }
         }
@@ -618,9 +439,9 @@ mod x86 {
     }
 
     /// # Safety
-    /// The CPU must support AVX2, FMA and F16C; the caller checked the bounds of `t` and `w`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn avx2(t: &Tile<'_>, w: Weights<'_>, k: usize, tile: &mut TileBuf) {
+    /// The CPU must support AVX2 and FMA; the caller checked the bounds of `t` and `w`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn avx2(t: &Tile<'_>, w: &[f32], tile: &mut TileBuf) {
         // One panel (two registers) by at most 4 rows at a time: 8 accumulators of the 16 registers.
         for p in 0..t.np {
             for r0 in (0..t.mr).step_by(4) {
@@ -634,18 +455,8 @@ mod x86 {
                 for i in 0..part.mr {
                     sub[i][..NR].copy_from_slice(&tile[r0 + i][p * NR..(p + 1) * NR]);
                 }
-                let off = p * k * NR;
-                match w {
-                    Weights::F32(d) => {
-                        dispatch_tile!(tile256, 0, part, (&part, d.as_ptr().add(off).cast(), &mut sub))
-                    }
-                    Weights::Bf16(d) => {
-                        dispatch_tile!(tile256, 1, part, (&part, d.as_ptr().add(off).cast(), &mut sub))
-                    }
-                    Weights::F16(d) => {
-                        dispatch_tile!(tile256, 2, part, (&part, d.as_ptr().add(off).cast(), &mut sub))
-                    }
-                }
+                let panel = w.as_ptr().add(p * t.kc * NR);
+                dispatch_tile!(tile256, part, (&part, panel, &mut sub));
                 for i in 0..part.mr {
                     tile[r0 + i][p * NR..(p + 1) * NR].copy_from_slice(&sub[i][..NR]);
                 }
@@ -653,37 +464,19 @@ mod x86 {
         }
     }
 
-    /// 8 weights at element `idx` of storage `KIND`, widened to f32.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load256<const KIND: u8>(base: *const u8, idx: usize) -> __m256 {
-        match KIND {
-            F32 => _mm256_loadu_ps(base.cast::<f32>().add(idx)),
-            BF16 => {
-                let raw = _mm_loadu_si128(base.cast::<u16>().add(idx).cast());
-                _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))
-            }
-            _ => _mm256_cvtph_ps(_mm_loadu_si128(base.cast::<u16>().add(idx).cast())),
-        }
-    }
-
     /// `R` rows of one panel; `_P` is always 1 here (the dispatch macro's shape).
     #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn tile256<const KIND: u8, const R: usize, const _P: usize>(
-        t: &Tile<'_>,
-        base: *const u8,
-        tile: &mut TileBuf,
-    ) {
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn tile256<const R: usize, const _P: usize>(t: &Tile<'_>, w: *const f32, tile: &mut TileBuf) {
         let mut acc = [[_mm256_setzero_ps(); 2]; R];
         for i in 0..R {
             acc[i][0] = _mm256_loadu_ps(tile[i].as_ptr());
             acc[i][1] = _mm256_loadu_ps(tile[i].as_ptr().add(8));
         }
         let x = t.x.as_ptr();
-        for kk in t.k0..t.k0 + t.kc {
-            let w0 = load256::<KIND>(base, kk * NR);
-            let w1 = load256::<KIND>(base, kk * NR + 8);
+        for kk in 0..t.kc {
+            let w0 = _mm256_loadu_ps(w.add(kk * NR));
+            let w1 = _mm256_loadu_ps(w.add(kk * NR + 8));
             for i in 0..R {
                 let xv = _mm256_set1_ps(*x.add(i * t.ldx + kk));
                 acc[i][0] = _mm256_fmadd_ps(xv, w0, acc[i][0]);
@@ -700,19 +493,16 @@ mod x86 {
 #[cfg(target_arch = "aarch64")]
 #[allow(clippy::needless_range_loop)]
 mod arm {
-    //! NEON (4 lanes: four registers per panel) for f32 panels; `vfmaq_f32` is a fused multiply-add.
+    //! NEON (4 lanes: four registers per panel); `vfmaq_f32` is a fused multiply-add.
 
     use std::arch::aarch64::*;
 
-    use super::{Tile, TileBuf, Weights, NR};
+    use super::{Tile, TileBuf, NR};
 
     /// # Safety
-    /// The caller checked the bounds of `t` and `w`; `w` holds f32 panels.
+    /// The caller checked the bounds of `t` and `w`.
     #[target_feature(enable = "neon")]
-    pub unsafe fn neon(t: &Tile<'_>, w: Weights<'_>, k: usize, tile: &mut TileBuf) {
-        let Weights::F32(d) = w else {
-            unreachable!("NEON runs f32 panels")
-        };
+    pub unsafe fn neon(t: &Tile<'_>, w: &[f32], tile: &mut TileBuf) {
         // One panel (four registers) by at most 4 rows at a time: 16 accumulators of the 32.
         for p in 0..t.np {
             for r0 in (0..t.mr).step_by(4) {
@@ -723,9 +513,9 @@ mod arm {
                         acc[i][q] = vld1q_f32(tile[r0 + i].as_ptr().add(p * NR + 4 * q));
                     }
                 }
-                for kk in t.k0..t.k0 + t.kc {
-                    let ptr = d.as_ptr().add(p * k * NR + kk * NR);
-                    let w = [
+                for kk in 0..t.kc {
+                    let ptr = w.as_ptr().add(p * t.kc * NR + kk * NR);
+                    let wv = [
                         vld1q_f32(ptr),
                         vld1q_f32(ptr.add(4)),
                         vld1q_f32(ptr.add(8)),
@@ -734,7 +524,7 @@ mod arm {
                     for i in 0..rows {
                         let xv = vdupq_n_f32(*t.x.get_unchecked((r0 + i) * t.ldx + kk));
                         for q in 0..4 {
-                            acc[i][q] = vfmaq_f32(acc[i][q], xv, w[q]);
+                            acc[i][q] = vfmaq_f32(acc[i][q], xv, wv[q]);
                         }
                     }
                 }

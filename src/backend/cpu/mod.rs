@@ -7,6 +7,7 @@
 
 pub mod gemm;
 mod ops;
+mod pack;
 /// The index of the first maximum of a row over its non-NaN entries (numpy's `nanargmax`; 0 when
 /// all are NaN): the CPU argmax, for callers that choose on the host.
 pub use ops::argmax as argmax_row;
@@ -15,7 +16,7 @@ mod profile;
 #[macro_use]
 mod simd;
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use rayon::prelude::*;
 
@@ -32,14 +33,12 @@ pub struct CpuTensor {
     pub cols: usize,
 }
 
-/// A weight on the CPU: a view into the checkpoint's mapping (or an aligned copy when the file's
-/// f32 data is not 4-byte aligned), and, once `linear` has used it, its GEMM panels (in the
-/// checkpoint's dtype: bf16 and f16 stay half-width).
+/// A weight on the CPU: a view into the checkpoint's mapping, in its dtype (or an aligned copy when
+/// the file's f32 data is not 4-byte aligned). The GEMM reads it there (`gemm.rs`).
 #[derive(Debug)]
 pub struct CpuWeight {
     shape: Vec<usize>,
     storage: Storage,
-    packed: OnceLock<gemm::Packed>,
 }
 
 #[derive(Debug)]
@@ -111,42 +110,32 @@ impl CpuWeight {
     }
 
     fn new(shape: Vec<usize>, storage: Storage) -> Self {
-        CpuWeight {
-            shape,
-            storage,
-            packed: OnceLock::new(),
-        }
+        CpuWeight { shape, storage }
     }
 
-    /// The GEMM panels [`Backend::linear`] multiplies a 2-D weight with (packed on first use; `None`
-    /// for other ranks), so that [`gemm::gemm_with`] can run them on a chosen instruction set (the
+    /// The 2-D weight as the GEMM's [`gemm::Matrix`] (`None` for other ranks): a view of its
+    /// row-major storage, so that [`gemm::gemm_with`] can run it on a chosen instruction set (the
     /// kernel benchmark's CPU GEMM versions, `crate::kernel_bench`).
-    pub fn gemm_panels(&self) -> Option<&gemm::Packed> {
-        (self.shape.len() == 2).then(|| self.packed())
-    }
-
-    /// The weight `[n, k]` as GEMM panels, packed on first use (in its stored element type).
-    fn packed(&self) -> &gemm::Packed {
-        self.packed.get_or_init(|| {
-            let _op = profile::start("pack");
-            let (n, k) = (self.shape[0], self.row_len());
-            let storage = match &self.storage {
-                Storage::Owned(v) => gemm::RowMajor::F32(v),
-                Storage::Mapped { dtype, file, range } => {
-                    let bytes = &file.data()[range.clone()];
-                    match dtype {
-                        // SAFETY: `load_weight` only keeps F32 data mapped when it is 4-byte
-                        // aligned; every bit pattern is a valid f32.
-                        Dtype::F32 => gemm::RowMajor::F32(unsafe {
-                            std::slice::from_raw_parts(bytes.as_ptr().cast::<f32>(), bytes.len() / 4)
-                        }),
-                        Dtype::BF16 => gemm::RowMajor::Bf16(bytes),
-                        Dtype::F16 => gemm::RowMajor::F16(bytes),
-                    }
+    pub fn matrix(&self) -> Option<gemm::Matrix<'_>> {
+        let [n, k] = self.shape[..] else {
+            return None;
+        };
+        let data = match &self.storage {
+            Storage::Owned(v) => gemm::RowMajor::F32(v),
+            Storage::Mapped { dtype, file, range } => {
+                let bytes = &file.data()[range.clone()];
+                match dtype {
+                    // SAFETY: `load_weight` only keeps F32 data mapped when it is 4-byte
+                    // aligned; every bit pattern is a valid f32.
+                    Dtype::F32 => gemm::RowMajor::F32(unsafe {
+                        std::slice::from_raw_parts(bytes.as_ptr().cast::<f32>(), bytes.len() / 4)
+                    }),
+                    Dtype::BF16 => gemm::RowMajor::Bf16(bytes),
+                    Dtype::F16 => gemm::RowMajor::F16(bytes),
                 }
-            };
-            gemm::Packed::from_row_major(n, k, storage)
-        })
+            }
+        };
+        Some(gemm::Matrix::new(n, k, data))
     }
 }
 
@@ -175,11 +164,7 @@ impl Backend for CpuBackend {
         if let Some((fill, first)) = t.synthetic() {
             let n = t.numel() as u64;
             let data = (0..n).into_par_iter().map(|i| fill.value(first + i)).collect();
-            let w = CpuWeight::new(t.shape.clone(), Storage::Owned(data));
-            if t.shape.len() == 2 && !t.name.ends_with("embed_tokens.weight") {
-                w.packed();
-            }
-            return Ok(w);
+            return Ok(CpuWeight::new(t.shape.clone(), Storage::Owned(data)));
         }
         let (file, range) = t.mapping();
         let aligned = (file.data()[range.clone()].as_ptr() as usize).is_multiple_of(4);
@@ -192,21 +177,8 @@ impl Backend for CpuBackend {
                 range,
             }
         };
-        let w = CpuWeight::new(t.shape.clone(), storage);
-        // Matrices are packed for the GEMM now rather than at the first forward; embedding tables
-        // are gathered by row and stay as they are (a tied lm_head comes through `prepare_linear`).
-        let is_table = t.name.ends_with("embed_tokens.weight") || t.name.ends_with("pos_embed.weight");
-        if t.shape.len() == 2 && !is_table {
-            w.packed();
-        }
-        Ok(w)
-    }
-
-    fn prepare_linear(&self, w: &CpuWeight) -> Result<()> {
-        if w.shape.len() == 2 {
-            w.packed();
-        }
-        Ok(())
+        // Nothing is packed or copied: the GEMM reads the mapping (`gemm.rs`).
+        Ok(CpuWeight::new(t.shape.clone(), storage))
     }
 
     fn weight_shape<'w>(&self, w: &'w CpuWeight) -> &'w [usize] {

@@ -6,17 +6,18 @@ use super::simd::{dot, dot_4x4, exp, multiversion, pv_accumulate};
 use super::{CpuTensor, CpuWeight};
 use crate::backend::{AttnShape, PagedSeq};
 
-/// `x · Wᵀ (+ bias)` through the packed GEMM (see `gemm.rs` for its fixed reduction order).
+/// `x · Wᵀ (+ bias)` through the GEMM (see `gemm.rs` for its fixed reduction order); `w` is 2-D
+/// (checked by the caller).
 pub(super) fn linear(x: &CpuTensor, w: &CpuWeight, bias: Option<&CpuWeight>) -> CpuTensor {
-    let packed = w.packed();
+    let w = w.matrix().expect("linear weights are 2-D");
     let mut bias_buf = Vec::new();
     let bias = bias.map(|b| b.all(&mut bias_buf));
-    let mut data = vec![0f32; x.rows * packed.n];
-    super::gemm::gemm(&x.data, x.rows, packed, bias, &mut data);
+    let mut data = vec![0f32; x.rows * w.n];
+    super::gemm::gemm(&x.data, x.rows, &w, bias, &mut data);
     CpuTensor {
         data,
         rows: x.rows,
-        cols: packed.n,
+        cols: w.n,
     }
 }
 
