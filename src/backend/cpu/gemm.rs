@@ -230,7 +230,12 @@ thread_local! {
 /// over `k` in order from 0 whatever the block shape, so every bit is the same for any `m`.
 fn panel_range(isa: Isa, x: &[f32], m: usize, w: &Matrix<'_>, p0: usize, p1: usize, y: &mut [f32]) {
     let k = w.k;
+    let p0 = if m < MR { pack::fused_rows(isa, x, m, w, (p0, p1), y) } else { p0 };
+    if p0 >= p1 {
+        return;
+    }
     let shape = if m >= WIDE_ROWS { WIDE } else { NARROW };
+    let shape = match std::env::var("TUNE_NARROW") { Ok(v) if m < WIDE_ROWS => { let mut it = v.split(','); BlockShape { panels: it.next().unwrap().parse().unwrap(), kc: it.next().unwrap().parse().unwrap() } } _ => shape };
     PACKED.with_borrow_mut(|buf| {
         buf.resize(shape.panels * shape.kc * NR, 0.0);
         let mut tile: TileBuf = [[0f32; NP * NR]; MR];

@@ -58,35 +58,148 @@ mod x86 {
 
     use super::{Matrix, RowMajor, NR};
 
-    /// The first `kc - kc % 16` steps of one panel (rows `c0..c0 + rows`, zero past `rows`), as
-    /// 16 × 16 transposes; returns how many steps it packed. Little-endian: the 16-bit words are
-    /// loaded as they lie.
+    /// Storage kinds (`KIND`): f32, bf16, and anything else f16.
+    const F32: u8 = 0;
+    const BF16: u8 = 1;
+    const F16: u8 = 2;
+
+    /// The base pointer of `w`'s storage, its kind and its element size.
+    fn storage(w: &Matrix<'_>) -> (*const u8, u8, usize) {
+        match w.data {
+            RowMajor::F32(v) => (v.as_ptr().cast(), F32, 4),
+            RowMajor::Bf16(b) => (b.as_ptr(), BF16, 2),
+            RowMajor::F16(b) => (b.as_ptr(), F16, 2),
+        }
+    }
+
+    /// The first `kc - kc % 16` steps of one whole panel (rows `c0..c0 + 16`), as 16 × 16
+    /// transposes; returns how many steps it packed (none for a partial panel: the last of a
+    /// weight whose `n` is not a multiple of 16 goes one by one). The 16-bit words are loaded as
+    /// they lie (little-endian).
     ///
     /// # Safety
     /// AVX-512F; rows `c0..c0 + rows` and steps `k0..k0 + kc` inside `w`; `panel` holds `kc · 16`.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn panel512(w: &Matrix<'_>, c0: usize, rows: usize, k0: usize, kc: usize, panel: &mut [f32]) -> usize {
-        let tiles = kc / 16;
+        if rows < NR {
+            return 0;
+        }
+        let (base, kind, size) = storage(w);
+        let src = base.add((c0 * w.k + k0) * size);
         let out = panel.as_mut_ptr();
+        match kind {
+            F32 => tiles512::<F32>(src, w.k * size, kc / 16, out),
+            BF16 => tiles512::<BF16>(src, w.k * size, kc / 16, out),
+            _ => tiles512::<F16>(src, w.k * size, kc / 16, out),
+        }
+        16 * (kc / 16)
+    }
+
+    /// 16 values of storage `KIND` at `p`, widened to f32.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load512<const KIND: u8>(p: *const u8) -> __m512 {
+        match KIND {
+            F32 => _mm512_loadu_ps(p.cast()),
+            BF16 => {
+                let raw = _mm256_loadu_si256(p.cast());
+                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))
+            }
+            _ => _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())),
+        }
+    }
+
+    /// `tiles` transposes of the 16 rows from `src` (`ld` bytes apart), 16 steps each, into `out`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn tiles512<const KIND: u8>(src: *const u8, ld: usize, tiles: usize, out: *mut f32) {
+        let size = if KIND == F32 { 4 } else { 2 };
         for t in 0..tiles {
+            let at = src.add(16 * t * size);
             let mut r = [_mm512_setzero_ps(); 16];
-            for j in 0..rows {
-                let at = (c0 + j) * w.k + k0 + 16 * t;
-                r[j] = match w.data {
-                    RowMajor::F32(v) => _mm512_loadu_ps(v.as_ptr().add(at)),
-                    RowMajor::Bf16(b) => {
-                        let raw = _mm256_loadu_si256(b.as_ptr().add(2 * at).cast());
-                        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))
-                    }
-                    RowMajor::F16(b) => _mm512_cvtph_ps(_mm256_loadu_si256(b.as_ptr().add(2 * at).cast())),
-                };
+            for j in 0..16 {
+                r[j] = load512::<KIND>(at.add(j * ld));
             }
             let c = transpose16(r);
             for i in 0..16 {
                 _mm512_storeu_ps(out.add((16 * t + i) * NR), c[i]);
             }
         }
-        16 * tiles
+    }
+
+    /// [`super::fused_rows`] for one whole panel `p`.
+    ///
+    /// # Safety
+    /// AVX-512F; rows `16p..16p + 16` inside `w`; `x` holds `m` rows of `w.k`, `y` `m` of `w.n`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn fused512(x: &[f32], m: usize, w: &Matrix<'_>, p: usize, y: &mut [f32]) {
+        let (base, kind, size) = storage(w);
+        let src = base.add(p * NR * w.k * size);
+        let mut acc = [[0f32; NR]; 7];
+        macro_rules! rows {
+            ($kind:ident) => {
+                match m {
+                    1 => chains512::<$kind, 1>(x, w.k, src, w.k * size, &mut acc),
+                    2 => chains512::<$kind, 2>(x, w.k, src, w.k * size, &mut acc),
+                    3 => chains512::<$kind, 3>(x, w.k, src, w.k * size, &mut acc),
+                    4 => chains512::<$kind, 4>(x, w.k, src, w.k * size, &mut acc),
+                    5 => chains512::<$kind, 5>(x, w.k, src, w.k * size, &mut acc),
+                    6 => chains512::<$kind, 6>(x, w.k, src, w.k * size, &mut acc),
+                    _ => chains512::<$kind, 7>(x, w.k, src, w.k * size, &mut acc),
+                }
+            };
+        }
+        match kind {
+            F32 => rows!(F32),
+            BF16 => rows!(BF16),
+            _ => rows!(F16),
+        }
+        for (r, a) in acc.iter().enumerate().take(m) {
+            y[r * w.n + p * NR..r * w.n + (p + 1) * NR].copy_from_slice(a);
+        }
+    }
+
+    /// The `R` rows' chains over all `k` steps of the 16 rows from `src` (`ld` bytes apart).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn chains512<const KIND: u8, const R: usize>(x: &[f32], k: usize, src: *const u8, ld: usize, out: &mut [[f32; NR]; 7]) {
+        let size = if KIND == F32 { 4 } else { 2 };
+        let xp = x.as_ptr();
+        let mut acc = [_mm512_setzero_ps(); R];
+        let tiles = k / 16;
+        for t in 0..tiles {
+            let at = src.add(16 * t * size);
+            let mut r = [_mm512_setzero_ps(); 16];
+            for j in 0..16 {
+                r[j] = load512::<KIND>(at.add(j * ld));
+            }
+            let c = transpose16(r);
+            for i in 0..16 {
+                for q in 0..R {
+                    let xv = _mm512_set1_ps(*xp.add(q * k + 16 * t + i));
+                    acc[q] = _mm512_fmadd_ps(xv, c[i], acc[q]);
+                }
+            }
+        }
+        // The last `k % 16` steps: each step's 16 weights gathered one by one.
+        for kk in 16 * tiles..k {
+            let mut col = [0f32; NR];
+            for (j, v) in col.iter_mut().enumerate() {
+                let at = src.add(j * ld + kk * size);
+                *v = match KIND {
+                    F32 => at.cast::<f32>().read_unaligned(),
+                    BF16 => f32::from_bits(u32::from(at.cast::<u16>().read_unaligned()) << 16),
+                    _ => half::f16::from_bits(at.cast::<u16>().read_unaligned()).to_f32(),
+                };
+            }
+            let cv = _mm512_loadu_ps(col.as_ptr());
+            for q in 0..R {
+                acc[q] = _mm512_fmadd_ps(_mm512_set1_ps(*xp.add(q * k + kk)), cv, acc[q]);
+            }
+        }
+        for q in 0..R {
+            _mm512_storeu_ps(out[q].as_mut_ptr(), acc[q]);
+        }
     }
 
     /// `c[i]` lane `j` = `r[j]` lane `i`.
@@ -153,6 +266,97 @@ mod x86 {
         8 * tiles
     }
 
+    /// [`fused512`] on 8-column halves of the panel with AVX2: 8 rows streamed at a time.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C; the bounds as for [`fused512`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn fused256(x: &[f32], m: usize, w: &Matrix<'_>, p: usize, y: &mut [f32]) {
+        let (base, kind, size) = storage(w);
+        for half in 0..2 {
+            let src = base.add((p * NR + 8 * half) * w.k * size);
+            let mut acc = [[0f32; 8]; 7];
+            macro_rules! rows {
+                ($kind:ident) => {
+                    match m {
+                        1 => chains256::<$kind, 1>(x, w.k, src, w.k * size, &mut acc),
+                        2 => chains256::<$kind, 2>(x, w.k, src, w.k * size, &mut acc),
+                        3 => chains256::<$kind, 3>(x, w.k, src, w.k * size, &mut acc),
+                        4 => chains256::<$kind, 4>(x, w.k, src, w.k * size, &mut acc),
+                        5 => chains256::<$kind, 5>(x, w.k, src, w.k * size, &mut acc),
+                        6 => chains256::<$kind, 6>(x, w.k, src, w.k * size, &mut acc),
+                        _ => chains256::<$kind, 7>(x, w.k, src, w.k * size, &mut acc),
+                    }
+                };
+            }
+            match kind {
+                F32 => rows!(F32),
+                BF16 => rows!(BF16),
+                _ => rows!(F16),
+            }
+            for (r, a) in acc.iter().enumerate().take(m) {
+                let at = r * w.n + p * NR + 8 * half;
+                y[at..at + 8].copy_from_slice(a);
+            }
+        }
+    }
+
+    /// 8 values of storage `KIND` at `p`, widened to f32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load256<const KIND: u8>(p: *const u8) -> __m256 {
+        match KIND {
+            F32 => _mm256_loadu_ps(p.cast()),
+            BF16 => {
+                let raw = _mm_loadu_si128(p.cast());
+                _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))
+            }
+            _ => _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
+        }
+    }
+
+    /// The `R` rows' chains over all `k` steps of the 8 rows from `src` (`ld` bytes apart).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn chains256<const KIND: u8, const R: usize>(x: &[f32], k: usize, src: *const u8, ld: usize, out: &mut [[f32; 8]; 7]) {
+        let size = if KIND == F32 { 4 } else { 2 };
+        let xp = x.as_ptr();
+        let mut acc = [_mm256_setzero_ps(); R];
+        let tiles = k / 8;
+        for t in 0..tiles {
+            let at = src.add(8 * t * size);
+            let mut r = [_mm256_setzero_ps(); 8];
+            for j in 0..8 {
+                r[j] = load256::<KIND>(at.add(j * ld));
+            }
+            let c = transpose8(r);
+            for i in 0..8 {
+                for q in 0..R {
+                    let xv = _mm256_set1_ps(*xp.add(q * k + 8 * t + i));
+                    acc[q] = _mm256_fmadd_ps(xv, c[i], acc[q]);
+                }
+            }
+        }
+        for kk in 8 * tiles..k {
+            let mut col = [0f32; 8];
+            for (j, v) in col.iter_mut().enumerate() {
+                let at = src.add(j * ld + kk * size);
+                *v = match KIND {
+                    F32 => at.cast::<f32>().read_unaligned(),
+                    BF16 => f32::from_bits(u32::from(at.cast::<u16>().read_unaligned()) << 16),
+                    _ => half::f16::from_bits(at.cast::<u16>().read_unaligned()).to_f32(),
+                };
+            }
+            let cv = _mm256_loadu_ps(col.as_ptr());
+            for q in 0..R {
+                acc[q] = _mm256_fmadd_ps(_mm256_set1_ps(*xp.add(q * k + kk)), cv, acc[q]);
+            }
+        }
+        for q in 0..R {
+            _mm256_storeu_ps(out[q].as_mut_ptr(), acc[q]);
+        }
+    }
+
     /// `c[i]` lane `j` = `r[j]` lane `i`.
     #[inline]
     #[target_feature(enable = "avx2")]
@@ -176,4 +380,25 @@ mod x86 {
         }
         c
     }
+}
+
+/// `y[r][16p..16p + 16] = x[r] · W[16p..16p + 16]ᵀ` for rows `0..m` (fewer than 8) and every
+/// whole panel `p` of `p0..p1`, with the transpose and the chains fused (no packed block: decode
+/// is bound by streaming the weight, and a pass through a buffer stalls that stream). Each
+/// output is the one chain over `k` from 0.0, so its bits are the packed path's. Returns whether
+/// it ran (AVX-512F only; the caller packs otherwise, and for a partial last panel).
+pub(super) fn fused_rows(isa: Isa, x: &[f32], m: usize, w: &Matrix<'_>, (p0, p1): (usize, usize), y: &mut [f32]) -> usize {
+    assert!(m < 8 && x.len() >= m * w.k && y.len() >= m * w.n, "rows of x and y");
+    let whole = (w.n / NR).min(p1);
+    if !matches!(isa, Isa::Avx512 | Isa::Avx2) || p0 >= whole {
+        return p0;
+    }
+    let wide = isa == Isa::Avx512 && std::env::var("TUNE_F512").is_ok();
+    #[cfg(target_arch = "x86_64")]
+    for p in p0..whole {
+        // SAFETY: `gemm_with` checked AVX-512F; panel `p` is whole (rows `16p..16p + 16` < n),
+        // `x` and `y` hold `m` rows (asserted above).
+        unsafe { if wide { x86::fused512(x, m, w, p, y) } else { x86::fused256(x, m, w, p, y) } };
+    }
+    whole
 }
