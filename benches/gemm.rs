@@ -16,7 +16,11 @@ fn stored(n: usize, k: usize, bf16: bool) -> Stored {
     let mut rng = fastrand::Rng::with_seed(3);
     let v: Vec<f32> = (0..n * k).map(|_| rng.f32() - 0.5).collect();
     if bf16 {
-        Stored::Bf16(v.iter().flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()).collect())
+        Stored::Bf16(
+            v.iter()
+                .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+                .collect(),
+        )
     } else {
         Stored::F32(v)
     }

@@ -1,10 +1,10 @@
 //! The CPU GEMM's exactness contract: every output element is one sequential fused multiply-add
 //! chain over k from 0.0, then + bias. Checked bitwise against that definition written as a plain
 //! loop, on every instruction-set path this CPU has, for f32, bf16 and f16 weights, for shapes that
-//! do not fill the tiles; and a row's bits do not depend on how many rows share the call or how many
-//! threads run it.
+//! do not fill the tiles, read from the row-major storage and from decode panels; and a row's bits do
+//! not depend on how many rows share the call or how many threads run it.
 
-use recall::backend::cpu::gemm::{gemm, gemm_with, Isa, Matrix, RowMajor};
+use recall::backend::cpu::gemm::{gemm, gemm_with, Isa, Matrix, Panels, RowMajor};
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Elem {
@@ -117,20 +117,24 @@ fn every_path_computes_the_definition_bitwise() {
     ] {
         for elem in [Elem::F32, Elem::Bf16, Elem::F16] {
             let (stored, w) = weight(&mut rng, n, k, elem);
-            let matrix = stored.matrix();
+            let mapped = stored.matrix();
+            // The decode panels serve calls of fewer than 8 rows; larger ones read the mapping.
+            let panels = Panels::pack(&mapped);
             let x: Vec<f32> = (0..m * k).map(|_| rng.f32() * 4.0 - 2.0).collect();
             let b: Vec<f32> = (0..n).map(|_| rng.f32()).collect();
             for bias in [None, Some(b.as_slice())] {
                 let want = reference(&x, m, &w, n, k, bias);
                 for &isa in &paths {
-                    let mut y = vec![f32::NAN; m * n];
-                    gemm_with(isa, &x, m, &matrix, bias, &mut y);
-                    assert_eq!(
-                        bits(&y),
-                        bits(&want),
-                        "{isa:?} {elem:?} m={m} n={n} k={k} bias={}",
-                        bias.is_some()
-                    );
+                    for (matrix, layout) in [(mapped, "mapped"), (mapped.with_panels(&panels), "panels")] {
+                        let mut y = vec![f32::NAN; m * n];
+                        gemm_with(isa, &x, m, &matrix, bias, &mut y);
+                        assert_eq!(
+                            bits(&y),
+                            bits(&want),
+                            "{isa:?} {elem:?} {layout} m={m} n={n} k={k} bias={}",
+                            bias.is_some()
+                        );
+                    }
                 }
             }
         }

@@ -29,6 +29,11 @@ pub struct BackendArgs {
     /// KV pool, which gets what is left), as vLLM's --gpu-memory-utilization.
     #[arg(long, default_value_t = 0.9)]
     pub gpu_memory_utilization: f64,
+    /// On the CPU: also pack every weight at load into decode panels (true) or read the
+    /// checkpoint's mapping only (false). Panels make decode faster and cost a second copy of the
+    /// model and the load time [default: true for serve, false for one-shot commands].
+    #[arg(long, value_name = "BOOL")]
+    pub cpu_decode_panels: Option<bool>,
 }
 
 impl Default for BackendArgs {
@@ -36,11 +41,24 @@ impl Default for BackendArgs {
         BackendArgs {
             backend: BackendChoice::Auto,
             gpu_memory_utilization: 0.9,
+            cpu_decode_panels: None,
         }
     }
 }
 
 impl BackendArgs {
+    /// Applies the CPU options (`serving`: the command serves for long, so decode panels are
+    /// on unless the flag says otherwise) and opens the backend.
+    pub fn open(&self, serving: bool) -> Result<Selected> {
+        self.apply_cpu(serving);
+        select(self.backend)
+    }
+
+    /// Sets the CPU backend's process-wide options ([`super::cpu::set_decode_panels`]).
+    pub fn apply_cpu(&self, serving: bool) {
+        super::cpu::set_decode_panels(self.cpu_decode_panels.unwrap_or(serving));
+    }
+
     /// Only the CPU backend.
     pub fn cpu() -> Self {
         BackendArgs {

@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use recall::backend::{select, Backend};
+use recall::backend::Backend;
 use recall::tokenize::chat::{parse_messages, ChatMessage};
 use recall::with_backend;
 
@@ -91,7 +91,7 @@ fn read_tools(path: &Path) -> Result<Vec<serde_json::Value>> {
 }
 
 pub fn generate(a: GenerateArgs) -> Result<()> {
-    with_backend!(select(a.model.backend.backend)?, be => generate_on(be, &a))
+    with_backend!(a.model.backend.open(false)?, be => generate_on(be, &a))
 }
 
 fn generate_on<B: Backend>(be: B, a: &GenerateArgs) -> Result<()> {
@@ -203,7 +203,7 @@ fn ops_table(phase: &str, ops: &[recall::backend::OpTime]) -> String {
 }
 
 pub fn logits(a: LogitsArgs) -> Result<()> {
-    with_backend!(select(a.model.backend.backend)?, be => {
+    with_backend!(a.model.backend.open(false)?, be => {
         let p = load(be, &a.model)?;
         let r = p.prompt_logits(&read_messages(&a.messages)?)?;
         recall::engine::pipeline::write_logits(&a.out, &r)?;
@@ -218,7 +218,7 @@ pub fn logits(a: LogitsArgs) -> Result<()> {
 }
 
 pub fn score(a: ScoreArgs) -> Result<()> {
-    with_backend!(select(a.model.backend.backend)?, be => {
+    with_backend!(a.model.backend.open(false)?, be => {
         let p = load(be, &a.model)?;
         let s = p.score_reply(&read_messages(&a.messages)?, &a.target)?;
         let v = serde_json::json!({

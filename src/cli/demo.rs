@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use recall::agent::causalcache::steps_table;
 use recall::agent::demo::{demo_footer, run_demo, DemoPaths};
-use recall::backend::{select, BackendArgs};
+use recall::backend::BackendArgs;
 use recall::engine::Pipeline;
 use recall::with_backend;
 
@@ -29,7 +29,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
         PathBuf::from(env!("CARGO_MANIFEST_DIR"))
     };
     let paths = DemoPaths::bundled(&root);
-    let reports = with_backend!(select(a.backend.backend)?, be => {
+    let reports = with_backend!(a.backend.open(false)?, be => {
         let p = Pipeline::load(be, &paths.model, None)?;
         run_demo(&p, &paths, a.budget, &a.chart)?
     });

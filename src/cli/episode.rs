@@ -17,7 +17,7 @@ use recall::agent::offline::{
     Given, OracleConfig, PolicyEvaluation,
 };
 use recall::atomic::{write_atomic, JsonlWriter};
-use recall::backend::{select, Backend, BackendArgs};
+use recall::backend::{Backend, BackendArgs};
 use recall::engine::{Pipeline, Session};
 use recall::memory::episode::Episode;
 use recall::memory::policy::AllocationPolicy;
@@ -245,10 +245,10 @@ fn parse_compose_mode(s: &str) -> std::result::Result<Mode, String> {
 
 pub fn run(command: EpisodeCommand) -> Result<()> {
     match command {
-        EpisodeCommand::Run(a) => with_backend!(select(a.model.backend.backend)?, be => replay(be, &a)),
-        EpisodeCommand::Eval(a) => with_backend!(select(a.model.backend.backend)?, be => evaluate(be, &a)),
+        EpisodeCommand::Run(a) => with_backend!(a.model.backend.open(false)?, be => replay(be, &a)),
+        EpisodeCommand::Eval(a) => with_backend!(a.model.backend.open(false)?, be => evaluate(be, &a)),
         EpisodeCommand::MergeEval(a) => merge_eval(&a),
-        EpisodeCommand::Label(a) => with_backend!(select(a.model.backend.backend)?, be => label(be, &a)),
+        EpisodeCommand::Label(a) => with_backend!(a.model.backend.open(false)?, be => label(be, &a)),
         EpisodeCommand::Render(a) => render(&a),
     }
 }
@@ -471,7 +471,7 @@ fn open_label_output(a: &LabelArgs, plan: &[DecisionUnit]) -> Result<(JsonlWrite
 }
 
 fn render(a: &RenderArgs) -> Result<()> {
-    select(a.backend.backend)?;
+    a.backend.open(false)?;
     let ep = Episode::load(&a.episode)?;
     let protocol = a.protocol.unwrap_or(Protocol::for_platform(ep.platform));
     let messages = render_decision(protocol, &ep.decision(a.step)?, &a.allocation)?;

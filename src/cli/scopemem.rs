@@ -11,7 +11,7 @@ use recall::agent::scopemem::{
     dump_step, run_dataset, DatasetResult, Intervention, Placement, ScopeMemConfig,
 };
 use recall::agent::scorers::Scorer;
-use recall::backend::{select, Backend};
+use recall::backend::Backend;
 use recall::memory::protocol::ContextLayout;
 use recall::model::scopemem::ScopeMemEncoder;
 use recall::with_backend;
@@ -203,7 +203,7 @@ fn parse_layout(s: &str) -> std::result::Result<ContextLayout, String> {
 
 /// Loads the model, dataset and encoder and runs them.
 fn run_dataset_args(a: &DatasetRunArgs) -> Result<(StepDataset, Vec<DatasetResult>)> {
-    with_backend!(select(a.model.backend.backend)?, be => run_on(be, a))
+    with_backend!(a.model.backend.open(false)?, be => run_on(be, a))
 }
 
 fn run_on<B: Backend>(be: B, a: &DatasetRunArgs) -> Result<(StepDataset, Vec<DatasetResult>)> {
@@ -272,7 +272,7 @@ fn dump<B: Backend>(be: B, a: &DumpArgs) -> Result<()> {
 
 pub fn run(command: ScopememCommand) -> Result<()> {
     match command {
-        ScopememCommand::Dump(a) => with_backend!(select(a.model.backend.backend)?, be => dump(be, &a)),
+        ScopememCommand::Dump(a) => with_backend!(a.model.backend.open(false)?, be => dump(be, &a)),
         ScopememCommand::Run(a) => {
             let (_, results) = run_dataset_args(&a)?;
             for r in &results {

@@ -249,6 +249,8 @@ impl AppState {
             args.max_episodes,
             args.max_episode_bytes,
         )?;
+        // A server decodes for long: decode panels on unless --cpu-decode-panels false.
+        args.backend.apply_cpu(true);
         let spec = EngineSpec {
             model: args.model.clone(),
             tokenizer: args.tokenizer.clone(),

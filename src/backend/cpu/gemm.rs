@@ -22,6 +22,12 @@
 //! micro-kernel over it for every row. A prefill packs long blocks once and streams all its rows
 //! over each; a decode packs small ones that stay in the L1 cache while its row passes, so the
 //! weight is streamed from memory once, at its stored width (bf16 reads half the bytes of f32).
+//!
+//! Decode can also run on [`Panels`]: the whole weight packed once, in its dtype, into
+//! `[n / 16][k][16]`, which the kernel streams contiguously and widens itself. That costs a second
+//! copy of the model and its packing at load, and pays where a process decodes for long
+//! (`recall serve`); a one-shot run reads the mapping (the transposes fused into the chains,
+//! `pack.rs`). Both give the same bits.
 
 use std::sync::OnceLock;
 
@@ -63,10 +69,7 @@ const WIDE: BlockShape = BlockShape {
 };
 /// Few rows (decode): one micro-kernel call's panels for 128 steps, 24 KiB: packed into L1 and
 /// read back at once.
-const NARROW: BlockShape = BlockShape {
-    panels: NP,
-    kc: 128,
-};
+const NARROW: BlockShape = BlockShape { panels: NP, kc: 128 };
 
 /// A weight `[n, k]` as stored, row-major: f32 values or little-endian 16-bit words (the
 /// checkpoint's bytes, at any alignment).
@@ -95,6 +98,8 @@ pub struct Matrix<'a> {
     /// Input width (the reduction length).
     pub k: usize,
     pub(super) data: RowMajor<'a>,
+    /// The weight packed for decode, when it has been.
+    panels: Option<&'a Panels>,
 }
 
 impl<'a> Matrix<'a> {
@@ -108,8 +113,123 @@ impl<'a> Matrix<'a> {
             }
         };
         assert_eq!(len, n * k, "an [{n}, {k}] weight");
-        Matrix { n, k, data }
+        Matrix {
+            n,
+            k,
+            data,
+            panels: None,
+        }
     }
+
+    /// The same weight, with `panels` (packed from it by [`Panels::pack`]) for calls of fewer
+    /// than 8 rows.
+    pub fn with_panels(self, panels: &'a Panels) -> Matrix<'a> {
+        assert_eq!((panels.n, panels.k), (self.n, self.k), "panels of this weight");
+        Matrix {
+            panels: Some(panels),
+            ..self
+        }
+    }
+}
+
+/// A weight packed whole into panels `[ceil(n / 16)][k][16]` in its stored dtype (bf16 and f16
+/// stay half-width and are widened exactly inside the kernel), for decode.
+pub struct Panels {
+    n: usize,
+    k: usize,
+    data: PanelData,
+}
+
+impl std::fmt::Debug for Panels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Panels {{ n: {}, k: {}, bytes: {} }}",
+            self.n,
+            self.k,
+            self.bytes()
+        )
+    }
+}
+
+/// Panel storage, `[ceil(n / 16)][k][16]`; columns past `n` are zero.
+enum PanelData {
+    F32(Vec<f32>),
+    /// bf16 bit patterns.
+    Bf16(Vec<u16>),
+    /// IEEE half bit patterns.
+    F16(Vec<u16>),
+}
+
+impl Panels {
+    /// Packs `w` (in parallel, each element written once).
+    pub fn pack(w: &Matrix<'_>) -> Panels {
+        let (n, k) = (w.n, w.k);
+        let panels = n.div_ceil(NR);
+        let half = |b: &[u8]| {
+            pack(panels, n, k, |c, i| {
+                u16::from_le_bytes([b[2 * (c * k + i)], b[2 * (c * k + i) + 1]])
+            })
+        };
+        let data = match w.data {
+            RowMajor::F32(v) => PanelData::F32(pack(panels, n, k, |c, i| v[c * k + i])),
+            RowMajor::Bf16(b) => PanelData::Bf16(half(b)),
+            RowMajor::F16(b) => PanelData::F16(half(b)),
+        };
+        Panels { n, k, data }
+    }
+
+    /// Bytes the panels take.
+    pub fn bytes(&self) -> usize {
+        match &self.data {
+            PanelData::F32(v) => v.len() * 4,
+            PanelData::Bf16(v) | PanelData::F16(v) => v.len() * 2,
+        }
+    }
+
+    /// The panels from panel `p` on.
+    fn from(&self, p: usize) -> Weights<'_> {
+        let at = p * self.k * NR;
+        match &self.data {
+            PanelData::F32(d) => Weights::F32(&d[at..]),
+            PanelData::Bf16(d) => Weights::Bf16(&d[at..]),
+            PanelData::F16(d) => Weights::F16(&d[at..]),
+        }
+    }
+}
+
+/// Panels `[panels][k][NR]` with `at(c, i)` = `W[c][i]` (zero past `n`). Every element is written
+/// exactly once, so the buffer is never zeroed first (fresh pages are zeroed by the kernel anyway:
+/// a second pass over gigabytes of panels was the largest cost of loading).
+fn pack<T: Copy + Default + Send + Sync>(
+    panels: usize,
+    n: usize,
+    k: usize,
+    at: impl Fn(usize, usize) -> T + Sync,
+) -> Vec<T> {
+    /// Steps of `k` per tile: the tile's `NR` source rows are read in runs of this many elements.
+    const TILE: usize = 64;
+    let len = panels * k * NR;
+    let mut out: Vec<T> = Vec::with_capacity(len);
+    out.spare_capacity_mut()[..len]
+        .par_chunks_mut((k * NR).max(1))
+        .enumerate()
+        .for_each(|(p, panel)| {
+            for i0 in (0..k).step_by(TILE) {
+                let i1 = (i0 + TILE).min(k);
+                for j in 0..NR {
+                    let c = p * NR + j;
+                    for i in i0..i1 {
+                        panel[i * NR + j].write(if c < n { at(c, i) } else { T::default() });
+                    }
+                }
+            }
+        });
+    // SAFETY: the chunks cover `out[..len]` (the last one may be short only when `k * NR` is 0,
+    // then `len` is 0) and the loops above write every element of every chunk once:
+    // `i` in `0..k`, `j` in `0..NR`.
+    unsafe { out.set_len(len) };
+    out
 }
 
 /// An instruction set the kernels are written for.
@@ -230,12 +350,18 @@ thread_local! {
 /// over `k` in order from 0 whatever the block shape, so every bit is the same for any `m`.
 fn panel_range(isa: Isa, x: &[f32], m: usize, w: &Matrix<'_>, p0: usize, p1: usize, y: &mut [f32]) {
     let k = w.k;
-    let p0 = if m < MR { pack::fused_rows(isa, x, m, w, (p0, p1), y) } else { p0 };
+    if let (Some(panels), true) = (w.panels, m < MR) {
+        return panels_range(isa, x, m, panels, p0, p1, y);
+    }
+    let p0 = if m < MR {
+        pack::fused_rows(isa, x, m, w, (p0, p1), y)
+    } else {
+        p0
+    };
     if p0 >= p1 {
         return;
     }
     let shape = if m >= WIDE_ROWS { WIDE } else { NARROW };
-    let shape = match std::env::var("TUNE_NARROW") { Ok(v) if m < WIDE_ROWS => { let mut it = v.split(','); BlockShape { panels: it.next().unwrap().parse().unwrap(), kc: it.next().unwrap().parse().unwrap() } } _ => shape };
     PACKED.with_borrow_mut(|buf| {
         buf.resize(shape.panels * shape.kc * NR, 0.0);
         let mut tile: TileBuf = [[0f32; NP * NR]; MR];
@@ -249,34 +375,53 @@ fn panel_range(isa: Isa, x: &[f32], m: usize, w: &Matrix<'_>, p0: usize, p1: usi
                 let block = Block {
                     x: &x[k0..],
                     k,
+                    k0: 0,
                     kc,
                     carry: k0 > 0,
                 };
-                let panels = |p: usize| &buf[(p - s0) * kc * NR..len];
-                block_pass(isa, &block, (m, w.n), (s0, s1), panels, &mut tile, y);
+                let panels = |p: usize| Weights::F32(&buf[(p - s0) * kc * NR..len]);
+                block_pass(isa, &block, (m, w.n), (s0, s1), (panels, kc), &mut tile, y);
             }
         }
     });
 }
 
-/// One block of `k` as the micro-kernels see it: steps `0..kc` of `x` (row stride `k`) and of the
-/// packed panels; `carry` adds to the partial sums of the earlier blocks that `y` holds.
+/// [`panel_range`] on a weight's [`Panels`]: blocks of `KC` steps, each panel read where it lies.
+fn panels_range(isa: Isa, x: &[f32], m: usize, w: &Panels, p0: usize, p1: usize, y: &mut [f32]) {
+    let k = w.k;
+    let mut tile: TileBuf = [[0f32; NP * NR]; MR];
+    for k0 in (0..k).step_by(KC) {
+        let block = Block {
+            x,
+            k,
+            k0,
+            kc: KC.min(k - k0),
+            carry: k0 > 0,
+        };
+        let panels = |p: usize| w.from(p);
+        block_pass(isa, &block, (m, w.n), (p0, p1), (panels, k), &mut tile, y);
+    }
+}
+
+/// One block of `k` as the micro-kernels see it: steps `k0..k0 + kc` of `x` (row stride `k`) and
+/// of the panels; `carry` adds to the partial sums of the earlier blocks that `y` holds.
 struct Block<'a> {
     x: &'a [f32],
     k: usize,
+    k0: usize,
     kc: usize,
     carry: bool,
 }
 
-/// One [`Block`] over rows `0..m` and panels `p0..p1` (the packed panels from panel `p` on,
-/// `kc · 16` elements apart, from `panels(p)`): chunks of `MC` rows, groups of `NP` panels, tiles
-/// of `MR` rows.
+/// One [`Block`] over rows `0..m` and panels `p0..p1` (the panels from panel `p` on, `stride`
+/// steps apart, from `panels.0(p)`): chunks of `MC` rows, groups of `NP` panels, tiles of `MR`
+/// rows.
 fn block_pass<'w>(
     isa: Isa,
     block: &Block<'_>,
     (m, n): (usize, usize),
     (p0, p1): (usize, usize),
-    panels: impl Fn(usize) -> &'w [f32],
+    (panels, stride): (impl Fn(usize) -> Weights<'w>, usize),
     tile: &mut TileBuf,
     y: &mut [f32],
 ) {
@@ -300,11 +445,12 @@ fn block_pass<'w>(
                 let t = Tile {
                     x: &block.x[r0 * block.k..],
                     ldx: block.k,
+                    k0: block.k0,
                     kc: block.kc,
                     mr,
                     np,
                 };
-                kernel(isa, &t, panels(p), tile);
+                kernel(isa, &t, panels(p), stride, tile);
                 for (i, t) in tile.iter().enumerate().take(mr) {
                     y[rows(i)].copy_from_slice(&t[..cols]);
                 }
@@ -314,81 +460,111 @@ fn block_pass<'w>(
     }
 }
 
-/// One micro-kernel call: rows `0..mr` of `x` (row stride `ldx`), steps `0..kc`, `np` (`1..=NP`)
-/// packed panels `kc · 16` elements apart.
+/// One micro-kernel call: rows `0..mr` of `x` (row stride `ldx`), steps `k0..k0 + kc`, `np`
+/// (`1..=NP`) panels.
 #[derive(Clone, Copy)]
 struct Tile<'a> {
     x: &'a [f32],
     ldx: usize,
+    k0: usize,
     kc: usize,
     mr: usize,
     np: usize,
 }
 
+/// The panels of one call, from its first panel on (panels `k · 16` elements apart).
+#[derive(Clone, Copy)]
+enum Weights<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+    F16(&'a [u16]),
+}
+
+impl Weights<'_> {
+    /// Weight `j` of panel `p` at step `kk`, as f32 (exact for every storage type).
+    fn get(self, p: usize, kk: usize, j: usize, k: usize) -> f32 {
+        let i = p * k * NR + kk * NR + j;
+        match self {
+            Weights::F32(d) => d[i],
+            Weights::Bf16(d) => f32::from_bits(u32::from(d[i]) << 16),
+            Weights::F16(d) => half::f16::from_bits(d[i]).to_f32(),
+        }
+    }
+
+    /// Elements this call may read, and in how many bytes each.
+    fn len(self) -> usize {
+        match self {
+            Weights::F32(d) => d.len(),
+            Weights::Bf16(d) | Weights::F16(d) => d.len(),
+        }
+    }
+}
+
 /// `tile[i][p·16 + j] = fma(x[i][kk], W_p[kk][j], tile[i][p·16 + j])` for every step `kk` of the
 /// block, in order.
-fn kernel(isa: Isa, t: &Tile<'_>, w: &[f32], tile: &mut TileBuf) {
-    assert!(w.len() >= t.np * t.kc * NR, "panels out of range");
-    assert!(t.x.len() >= (t.mr - 1) * t.ldx + t.kc, "rows out of range");
+fn kernel(isa: Isa, t: &Tile<'_>, w: Weights<'_>, k: usize, tile: &mut TileBuf) {
+    assert!(
+        w.len() >= (t.np - 1) * k * NR + (t.k0 + t.kc) * NR,
+        "panels out of range"
+    );
+    assert!(t.x.len() >= (t.mr - 1) * t.ldx + t.k0 + t.kc, "rows out of range");
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `gemm_with` checked that the CPU has AVX-512F; the bounds are checked above.
-        Isa::Avx512 => unsafe { x86::avx512(t, w, tile) },
+        Isa::Avx512 => unsafe { x86::avx512(t, w, k, tile) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `gemm_with` checked AVX2, FMA and F16C; the bounds are checked above.
-        Isa::Avx2 => unsafe { x86::avx2(t, w, tile) },
+        Isa::Avx2 => unsafe { x86::avx2(t, w, k, tile) },
         #[cfg(target_arch = "aarch64")]
         // SAFETY: `gemm_with` checked NEON; the bounds are checked above.
-        Isa::Neon => unsafe { arm::neon(t, w, tile) },
-        _ => portable(t, w, tile),
+        Isa::Neon if matches!(w, Weights::F32(_)) => unsafe { arm::neon(t, w, k, tile) },
+        _ => portable(t, w, k, tile),
     }
 }
 
 /// The defining loop: one `mul_add` per step, in order of `k`.
-fn portable(t: &Tile<'_>, w: &[f32], tile: &mut TileBuf) {
-    let stride = t.kc * NR;
+fn portable(t: &Tile<'_>, w: Weights<'_>, k: usize, tile: &mut TileBuf) {
     for (i, row) in tile.iter_mut().enumerate().take(t.mr) {
-        for kk in 0..t.kc {
+        for kk in t.k0..t.k0 + t.kc {
             let xv = t.x[i * t.ldx + kk];
             for p in 0..t.np {
                 for j in 0..NR {
-                    let wv = w[p * stride + kk * NR + j];
-                    row[p * NR + j] = xv.mul_add(wv, row[p * NR + j]);
+                    row[p * NR + j] = xv.mul_add(w.get(p, kk, j, k), row[p * NR + j]);
                 }
             }
         }
     }
 }
 
-/// Calls `$f::<R, P>` for the runtime `(mr, np)` of a tile.
+/// Calls `$f::<KIND, R, P>` for the runtime `(mr, np)` of a tile.
 #[cfg(target_arch = "x86_64")]
 macro_rules! dispatch_tile {
-    ($f:ident, $t:expr, ($($arg:expr),*)) => {
+    ($f:ident, $kind:literal, $t:expr, ($($arg:expr),*)) => {
         match ($t.mr, $t.np) {
-            (8, 3) => $f::<8, 3>($($arg),*),
-            (7, 3) => $f::<7, 3>($($arg),*),
-            (6, 3) => $f::<6, 3>($($arg),*),
-            (5, 3) => $f::<5, 3>($($arg),*),
-            (4, 3) => $f::<4, 3>($($arg),*),
-            (3, 3) => $f::<3, 3>($($arg),*),
-            (2, 3) => $f::<2, 3>($($arg),*),
-            (1, 3) => $f::<1, 3>($($arg),*),
-            (8, 2) => $f::<8, 2>($($arg),*),
-            (7, 2) => $f::<7, 2>($($arg),*),
-            (6, 2) => $f::<6, 2>($($arg),*),
-            (5, 2) => $f::<5, 2>($($arg),*),
-            (4, 2) => $f::<4, 2>($($arg),*),
-            (3, 2) => $f::<3, 2>($($arg),*),
-            (2, 2) => $f::<2, 2>($($arg),*),
-            (1, 2) => $f::<1, 2>($($arg),*),
-            (8, 1) => $f::<8, 1>($($arg),*),
-            (7, 1) => $f::<7, 1>($($arg),*),
-            (6, 1) => $f::<6, 1>($($arg),*),
-            (5, 1) => $f::<5, 1>($($arg),*),
-            (4, 1) => $f::<4, 1>($($arg),*),
-            (3, 1) => $f::<3, 1>($($arg),*),
-            (2, 1) => $f::<2, 1>($($arg),*),
-            (1, 1) => $f::<1, 1>($($arg),*),
+            (8, 3) => $f::<$kind, 8, 3>($($arg),*),
+            (7, 3) => $f::<$kind, 7, 3>($($arg),*),
+            (6, 3) => $f::<$kind, 6, 3>($($arg),*),
+            (5, 3) => $f::<$kind, 5, 3>($($arg),*),
+            (4, 3) => $f::<$kind, 4, 3>($($arg),*),
+            (3, 3) => $f::<$kind, 3, 3>($($arg),*),
+            (2, 3) => $f::<$kind, 2, 3>($($arg),*),
+            (1, 3) => $f::<$kind, 1, 3>($($arg),*),
+            (8, 2) => $f::<$kind, 8, 2>($($arg),*),
+            (7, 2) => $f::<$kind, 7, 2>($($arg),*),
+            (6, 2) => $f::<$kind, 6, 2>($($arg),*),
+            (5, 2) => $f::<$kind, 5, 2>($($arg),*),
+            (4, 2) => $f::<$kind, 4, 2>($($arg),*),
+            (3, 2) => $f::<$kind, 3, 2>($($arg),*),
+            (2, 2) => $f::<$kind, 2, 2>($($arg),*),
+            (1, 2) => $f::<$kind, 1, 2>($($arg),*),
+            (8, 1) => $f::<$kind, 8, 1>($($arg),*),
+            (7, 1) => $f::<$kind, 7, 1>($($arg),*),
+            (6, 1) => $f::<$kind, 6, 1>($($arg),*),
+            (5, 1) => $f::<$kind, 5, 1>($($arg),*),
+            (4, 1) => $f::<$kind, 4, 1>($($arg),*),
+            (3, 1) => $f::<$kind, 3, 1>($($arg),*),
+            (2, 1) => $f::<$kind, 2, 1>($($arg),*),
+            (1, 1) => $f::<$kind, 1, 1>($($arg),*),
             _ => unreachable!("tiles are 1..=8 rows by 1..=3 panels"),
         }
     };
@@ -398,25 +574,51 @@ macro_rules! dispatch_tile {
 #[allow(clippy::needless_range_loop)] // register tiles read best as indexed loops
 mod x86 {
     //! AVX-512F (16 lanes: one register per panel) and AVX2 + FMA (8 lanes: two registers per
-    //! panel) kernels over packed f32 panels. Each accumulator lane is one output element and each
-    //! step one fused multiply-add: exactly `f32::mul_add`. The tile sizes are constants, so the
-    //! accumulators stay in registers.
+    //! panel) kernels. Each accumulator lane is one output element and each step one fused
+    //! multiply-add: exactly `f32::mul_add`. The tile sizes are constants, so the accumulators stay
+    //! in registers.
 
     use std::arch::x86_64::*;
 
-    use super::{Tile, TileBuf, MR, NR};
+    use super::{Tile, TileBuf, Weights, MR, NR};
+
+    /// Storage kinds (`KIND`): f32, bf16, and anything else f16.
+    const F32: u8 = 0;
+    const BF16: u8 = 1;
 
     /// # Safety
     /// The CPU must support AVX-512F; the caller checked the bounds of `t` and `w`.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn avx512(t: &Tile<'_>, w: &[f32], tile: &mut TileBuf) {
-        dispatch_tile!(tile512, t, (t, w.as_ptr(), tile))
+    pub unsafe fn avx512(t: &Tile<'_>, w: Weights<'_>, k: usize, tile: &mut TileBuf) {
+        match w {
+            Weights::F32(d) => dispatch_tile!(tile512, 0, t, (t, d.as_ptr().cast(), k * NR, tile)),
+            Weights::Bf16(d) => dispatch_tile!(tile512, 1, t, (t, d.as_ptr().cast(), k * NR, tile)),
+            Weights::F16(d) => dispatch_tile!(tile512, 2, t, (t, d.as_ptr().cast(), k * NR, tile)),
+        }
+    }
+
+    /// 16 weights at element `idx` of storage `KIND`, widened to f32.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load512<const KIND: u8>(base: *const u8, idx: usize) -> __m512 {
+        match KIND {
+            F32 => _mm512_loadu_ps(base.cast::<f32>().add(idx)),
+            BF16 => {
+                let raw = _mm256_loadu_si256(base.cast::<u16>().add(idx).cast());
+                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))
+            }
+            _ => _mm512_cvtph_ps(_mm256_loadu_si256(base.cast::<u16>().add(idx).cast())),
+        }
     }
 
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn tile512<const R: usize, const P: usize>(t: &Tile<'_>, w: *const f32, tile: &mut TileBuf) {
-        let stride = t.kc * NR;
+    unsafe fn tile512<const KIND: u8, const R: usize, const P: usize>(
+        t: &Tile<'_>,
+        base: *const u8,
+        stride: usize,
+        tile: &mut TileBuf,
+    ) {
         let mut acc = [[_mm512_setzero_ps(); P]; R];
         for i in 0..R {
             for p in 0..P {
@@ -424,15 +626,15 @@ mod x86 {
             }
         }
         let x = t.x.as_ptr();
-        for kk in 0..t.kc {
-            let mut wv = [_mm512_setzero_ps(); P];
+        for kk in t.k0..t.k0 + t.kc {
+            let mut w = [_mm512_setzero_ps(); P];
             for p in 0..P {
-                wv[p] = _mm512_loadu_ps(w.add(p * stride + kk * NR));
+                w[p] = load512::<KIND>(base, p * stride + kk * NR);
             }
             for i in 0..R {
                 let xv = _mm512_set1_ps(*x.add(i * t.ldx + kk));
                 for p in 0..P {
-                    acc[i][p] = _mm512_fmadd_ps(xv, wv[p], acc[i][p]);
+                    acc[i][p] = _mm512_fmadd_ps(xv, w[p], acc[i][p]);
                 }
             }
         }
@@ -444,9 +646,9 @@ mod x86 {
     }
 
     /// # Safety
-    /// The CPU must support AVX2 and FMA; the caller checked the bounds of `t` and `w`.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn avx2(t: &Tile<'_>, w: &[f32], tile: &mut TileBuf) {
+    /// The CPU must support AVX2, FMA and F16C; the caller checked the bounds of `t` and `w`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn avx2(t: &Tile<'_>, w: Weights<'_>, k: usize, tile: &mut TileBuf) {
         // One panel (two registers) by at most 4 rows at a time: 8 accumulators of the 16 registers.
         for p in 0..t.np {
             for r0 in (0..t.mr).step_by(4) {
@@ -460,8 +662,18 @@ mod x86 {
                 for i in 0..part.mr {
                     sub[i][..NR].copy_from_slice(&tile[r0 + i][p * NR..(p + 1) * NR]);
                 }
-                let panel = w.as_ptr().add(p * t.kc * NR);
-                dispatch_tile!(tile256, part, (&part, panel, &mut sub));
+                let off = p * k * NR;
+                match w {
+                    Weights::F32(d) => {
+                        dispatch_tile!(tile256, 0, part, (&part, d.as_ptr().add(off).cast(), &mut sub))
+                    }
+                    Weights::Bf16(d) => {
+                        dispatch_tile!(tile256, 1, part, (&part, d.as_ptr().add(off).cast(), &mut sub))
+                    }
+                    Weights::F16(d) => {
+                        dispatch_tile!(tile256, 2, part, (&part, d.as_ptr().add(off).cast(), &mut sub))
+                    }
+                }
                 for i in 0..part.mr {
                     tile[r0 + i][p * NR..(p + 1) * NR].copy_from_slice(&sub[i][..NR]);
                 }
@@ -469,19 +681,37 @@ mod x86 {
         }
     }
 
+    /// 8 weights at element `idx` of storage `KIND`, widened to f32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load256<const KIND: u8>(base: *const u8, idx: usize) -> __m256 {
+        match KIND {
+            F32 => _mm256_loadu_ps(base.cast::<f32>().add(idx)),
+            BF16 => {
+                let raw = _mm_loadu_si128(base.cast::<u16>().add(idx).cast());
+                _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))
+            }
+            _ => _mm256_cvtph_ps(_mm_loadu_si128(base.cast::<u16>().add(idx).cast())),
+        }
+    }
+
     /// `R` rows of one panel; `_P` is always 1 here (the dispatch macro's shape).
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn tile256<const R: usize, const _P: usize>(t: &Tile<'_>, w: *const f32, tile: &mut TileBuf) {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile256<const KIND: u8, const R: usize, const _P: usize>(
+        t: &Tile<'_>,
+        base: *const u8,
+        tile: &mut TileBuf,
+    ) {
         let mut acc = [[_mm256_setzero_ps(); 2]; R];
         for i in 0..R {
             acc[i][0] = _mm256_loadu_ps(tile[i].as_ptr());
             acc[i][1] = _mm256_loadu_ps(tile[i].as_ptr().add(8));
         }
         let x = t.x.as_ptr();
-        for kk in 0..t.kc {
-            let w0 = _mm256_loadu_ps(w.add(kk * NR));
-            let w1 = _mm256_loadu_ps(w.add(kk * NR + 8));
+        for kk in t.k0..t.k0 + t.kc {
+            let w0 = load256::<KIND>(base, kk * NR);
+            let w1 = load256::<KIND>(base, kk * NR + 8);
             for i in 0..R {
                 let xv = _mm256_set1_ps(*x.add(i * t.ldx + kk));
                 acc[i][0] = _mm256_fmadd_ps(xv, w0, acc[i][0]);
@@ -498,16 +728,19 @@ mod x86 {
 #[cfg(target_arch = "aarch64")]
 #[allow(clippy::needless_range_loop)]
 mod arm {
-    //! NEON (4 lanes: four registers per panel); `vfmaq_f32` is a fused multiply-add.
+    //! NEON (4 lanes: four registers per panel) for f32 panels; `vfmaq_f32` is a fused multiply-add.
 
     use std::arch::aarch64::*;
 
-    use super::{Tile, TileBuf, NR};
+    use super::{Tile, TileBuf, Weights, NR};
 
     /// # Safety
-    /// The caller checked the bounds of `t` and `w`.
+    /// The caller checked the bounds of `t` and `w`; `w` holds f32 panels.
     #[target_feature(enable = "neon")]
-    pub unsafe fn neon(t: &Tile<'_>, w: &[f32], tile: &mut TileBuf) {
+    pub unsafe fn neon(t: &Tile<'_>, w: Weights<'_>, k: usize, tile: &mut TileBuf) {
+        let Weights::F32(d) = w else {
+            unreachable!("NEON runs f32 panels")
+        };
         // One panel (four registers) by at most 4 rows at a time: 16 accumulators of the 32.
         for p in 0..t.np {
             for r0 in (0..t.mr).step_by(4) {
@@ -518,9 +751,9 @@ mod arm {
                         acc[i][q] = vld1q_f32(tile[r0 + i].as_ptr().add(p * NR + 4 * q));
                     }
                 }
-                for kk in 0..t.kc {
-                    let ptr = w.as_ptr().add(p * t.kc * NR + kk * NR);
-                    let wv = [
+                for kk in t.k0..t.k0 + t.kc {
+                    let ptr = d.as_ptr().add(p * k * NR + kk * NR);
+                    let w = [
                         vld1q_f32(ptr),
                         vld1q_f32(ptr.add(4)),
                         vld1q_f32(ptr.add(8)),
@@ -529,7 +762,7 @@ mod arm {
                     for i in 0..rows {
                         let xv = vdupq_n_f32(*t.x.get_unchecked((r0 + i) * t.ldx + kk));
                         for q in 0..4 {
-                            acc[i][q] = vfmaq_f32(acc[i][q], xv, wv[q]);
+                            acc[i][q] = vfmaq_f32(acc[i][q], xv, w[q]);
                         }
                     }
                 }

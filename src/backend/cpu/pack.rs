@@ -7,7 +7,13 @@
 use super::gemm::{Isa, Matrix, RowMajor, NR};
 
 /// Packs panels `s0..s1`, steps `k0..k0 + kc`, of `w` into `dst` (`(s1 - s0) · kc · 16` values).
-pub(super) fn panels(isa: Isa, w: &Matrix<'_>, (s0, s1): (usize, usize), (k0, kc): (usize, usize), dst: &mut [f32]) {
+pub(super) fn panels(
+    isa: Isa,
+    w: &Matrix<'_>,
+    (s0, s1): (usize, usize),
+    (k0, kc): (usize, usize),
+    dst: &mut [f32],
+) {
     assert_eq!(dst.len(), (s1 - s0) * kc * NR, "a block of {} panels", s1 - s0);
     assert!(s1 * NR < w.n + NR && k0 + kc <= w.k, "a block inside the weight");
     for p in s0..s1 {
@@ -80,7 +86,14 @@ mod x86 {
     /// # Safety
     /// AVX-512F; rows `c0..c0 + rows` and steps `k0..k0 + kc` inside `w`; `panel` holds `kc · 16`.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn panel512(w: &Matrix<'_>, c0: usize, rows: usize, k0: usize, kc: usize, panel: &mut [f32]) -> usize {
+    pub unsafe fn panel512(
+        w: &Matrix<'_>,
+        c0: usize,
+        rows: usize,
+        k0: usize,
+        kc: usize,
+        panel: &mut [f32],
+    ) -> usize {
         if rows < NR {
             return 0;
         }
@@ -127,81 +140,6 @@ mod x86 {
         }
     }
 
-    /// [`super::fused_rows`] for one whole panel `p`.
-    ///
-    /// # Safety
-    /// AVX-512F; rows `16p..16p + 16` inside `w`; `x` holds `m` rows of `w.k`, `y` `m` of `w.n`.
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn fused512(x: &[f32], m: usize, w: &Matrix<'_>, p: usize, y: &mut [f32]) {
-        let (base, kind, size) = storage(w);
-        let src = base.add(p * NR * w.k * size);
-        let mut acc = [[0f32; NR]; 7];
-        macro_rules! rows {
-            ($kind:ident) => {
-                match m {
-                    1 => chains512::<$kind, 1>(x, w.k, src, w.k * size, &mut acc),
-                    2 => chains512::<$kind, 2>(x, w.k, src, w.k * size, &mut acc),
-                    3 => chains512::<$kind, 3>(x, w.k, src, w.k * size, &mut acc),
-                    4 => chains512::<$kind, 4>(x, w.k, src, w.k * size, &mut acc),
-                    5 => chains512::<$kind, 5>(x, w.k, src, w.k * size, &mut acc),
-                    6 => chains512::<$kind, 6>(x, w.k, src, w.k * size, &mut acc),
-                    _ => chains512::<$kind, 7>(x, w.k, src, w.k * size, &mut acc),
-                }
-            };
-        }
-        match kind {
-            F32 => rows!(F32),
-            BF16 => rows!(BF16),
-            _ => rows!(F16),
-        }
-        for (r, a) in acc.iter().enumerate().take(m) {
-            y[r * w.n + p * NR..r * w.n + (p + 1) * NR].copy_from_slice(a);
-        }
-    }
-
-    /// The `R` rows' chains over all `k` steps of the 16 rows from `src` (`ld` bytes apart).
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn chains512<const KIND: u8, const R: usize>(x: &[f32], k: usize, src: *const u8, ld: usize, out: &mut [[f32; NR]; 7]) {
-        let size = if KIND == F32 { 4 } else { 2 };
-        let xp = x.as_ptr();
-        let mut acc = [_mm512_setzero_ps(); R];
-        let tiles = k / 16;
-        for t in 0..tiles {
-            let at = src.add(16 * t * size);
-            let mut r = [_mm512_setzero_ps(); 16];
-            for j in 0..16 {
-                r[j] = load512::<KIND>(at.add(j * ld));
-            }
-            let c = transpose16(r);
-            for i in 0..16 {
-                for q in 0..R {
-                    let xv = _mm512_set1_ps(*xp.add(q * k + 16 * t + i));
-                    acc[q] = _mm512_fmadd_ps(xv, c[i], acc[q]);
-                }
-            }
-        }
-        // The last `k % 16` steps: each step's 16 weights gathered one by one.
-        for kk in 16 * tiles..k {
-            let mut col = [0f32; NR];
-            for (j, v) in col.iter_mut().enumerate() {
-                let at = src.add(j * ld + kk * size);
-                *v = match KIND {
-                    F32 => at.cast::<f32>().read_unaligned(),
-                    BF16 => f32::from_bits(u32::from(at.cast::<u16>().read_unaligned()) << 16),
-                    _ => half::f16::from_bits(at.cast::<u16>().read_unaligned()).to_f32(),
-                };
-            }
-            let cv = _mm512_loadu_ps(col.as_ptr());
-            for q in 0..R {
-                acc[q] = _mm512_fmadd_ps(_mm512_set1_ps(*xp.add(q * k + kk)), cv, acc[q]);
-            }
-        }
-        for q in 0..R {
-            _mm512_storeu_ps(out[q].as_mut_ptr(), acc[q]);
-        }
-    }
-
     /// `c[i]` lane `j` = `r[j]` lane `i`.
     #[inline]
     #[target_feature(enable = "avx512f")]
@@ -240,7 +178,14 @@ mod x86 {
     /// # Safety
     /// AVX2 and F16C; the bounds as for [`panel512`].
     #[target_feature(enable = "avx2,f16c")]
-    pub unsafe fn panel256(w: &Matrix<'_>, c0: usize, rows: usize, k0: usize, kc: usize, panel: &mut [f32]) -> usize {
+    pub unsafe fn panel256(
+        w: &Matrix<'_>,
+        c0: usize,
+        rows: usize,
+        k0: usize,
+        kc: usize,
+        panel: &mut [f32],
+    ) -> usize {
         let tiles = kc / 8;
         let out = panel.as_mut_ptr();
         for half in 0..2 {
@@ -266,10 +211,13 @@ mod x86 {
         8 * tiles
     }
 
-    /// [`fused512`] on 8-column halves of the panel with AVX2: 8 rows streamed at a time.
+    /// [`super::fused_rows`] for one whole panel `p`, in 8-column halves: 8 rows of the weight
+    /// streamed at a time, 8 × 8 transposes (cheaper per element than 16 × 16 on 512-bit
+    /// registers, and the same on both x86 paths).
     ///
     /// # Safety
-    /// AVX2, FMA and F16C; the bounds as for [`fused512`].
+    /// AVX2, FMA and F16C; rows `16p..16p + 16` inside `w`; `x` holds `m` rows of `w.k`, `y` `m`
+    /// of `w.n`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn fused256(x: &[f32], m: usize, w: &Matrix<'_>, p: usize, y: &mut [f32]) {
         let (base, kind, size) = storage(w);
@@ -318,7 +266,13 @@ mod x86 {
     /// The `R` rows' chains over all `k` steps of the 8 rows from `src` (`ld` bytes apart).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn chains256<const KIND: u8, const R: usize>(x: &[f32], k: usize, src: *const u8, ld: usize, out: &mut [[f32; 8]; 7]) {
+    unsafe fn chains256<const KIND: u8, const R: usize>(
+        x: &[f32],
+        k: usize,
+        src: *const u8,
+        ld: usize,
+        out: &mut [[f32; 8]; 7],
+    ) {
         let size = if KIND == F32 { 4 } else { 2 };
         let xp = x.as_ptr();
         let mut acc = [_mm256_setzero_ps(); R];
@@ -384,21 +338,30 @@ mod x86 {
 
 /// `y[r][16p..16p + 16] = x[r] · W[16p..16p + 16]ᵀ` for rows `0..m` (fewer than 8) and every
 /// whole panel `p` of `p0..p1`, with the transpose and the chains fused (no packed block: decode
-/// is bound by streaming the weight, and a pass through a buffer stalls that stream). Each
-/// output is the one chain over `k` from 0.0, so its bits are the packed path's. Returns whether
-/// it ran (AVX-512F only; the caller packs otherwise, and for a partial last panel).
-pub(super) fn fused_rows(isa: Isa, x: &[f32], m: usize, w: &Matrix<'_>, (p0, p1): (usize, usize), y: &mut [f32]) -> usize {
-    assert!(m < 8 && x.len() >= m * w.k && y.len() >= m * w.n, "rows of x and y");
+/// is bound by streaming the weight, and a pass through a buffer measured slower). Each output
+/// is the one chain over `k` from 0.0, so its bits are the packed path's. Returns the first panel
+/// it did not do (`p0` off x86; the caller packs those, and a partial last panel).
+pub(super) fn fused_rows(
+    isa: Isa,
+    x: &[f32],
+    m: usize,
+    w: &Matrix<'_>,
+    (p0, p1): (usize, usize),
+    y: &mut [f32],
+) -> usize {
+    assert!(
+        m < 8 && x.len() >= m * w.k && y.len() >= m * w.n,
+        "rows of x and y"
+    );
     let whole = (w.n / NR).min(p1);
     if !matches!(isa, Isa::Avx512 | Isa::Avx2) || p0 >= whole {
         return p0;
     }
-    let wide = isa == Isa::Avx512 && std::env::var("TUNE_F512").is_ok();
     #[cfg(target_arch = "x86_64")]
     for p in p0..whole {
-        // SAFETY: `gemm_with` checked AVX-512F; panel `p` is whole (rows `16p..16p + 16` < n),
-        // `x` and `y` hold `m` rows (asserted above).
-        unsafe { if wide { x86::fused512(x, m, w, p, y) } else { x86::fused256(x, m, w, p, y) } };
+        // SAFETY: `gemm_with` checked AVX2, FMA and F16C (AVX-512F CPUs have them); panel `p`
+        // is whole (rows `16p..16p + 16` < n), `x` and `y` hold `m` rows (asserted above).
+        unsafe { x86::fused256(x, m, w, p, y) };
     }
     whole
 }
