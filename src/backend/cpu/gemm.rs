@@ -33,7 +33,7 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
-use super::pack;
+mod pack;
 
 /// Output columns per panel (one AVX-512 register of f32).
 pub const NR: usize = 16;

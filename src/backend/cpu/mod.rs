@@ -7,7 +7,6 @@
 
 pub mod gemm;
 mod ops;
-mod pack;
 /// The index of the first maximum of a row over its non-NaN entries (numpy's `nanargmax`; 0 when
 /// all are NaN): the CPU argmax, for callers that choose on the host.
 pub use ops::argmax as argmax_row;

@@ -4,7 +4,7 @@
 //! changes how fast it is. AVX-512F transposes 16 × 16 tiles in registers, AVX2 8 × 8; the others
 //! copy one element at a time.
 
-use super::gemm::{Isa, Matrix, RowMajor, NR};
+use super::{Isa, Matrix, RowMajor, NR};
 
 /// Packs panels `s0..s1`, steps `k0..k0 + kc`, of `w` into `dst` (`(s1 - s0) · kc · 16` values).
 pub(super) fn panels(
