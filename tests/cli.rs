@@ -89,8 +89,9 @@ fn generate_runs_and_reports() {
     );
     assert!(v["timings"]["load_seconds"].as_f64().unwrap() > 0.0, "{v}");
 
-    // --profile times the load too: packing the weights is an op inside the load's wall time,
-    // and profiling changes no token.
+    // --profile times the load too: packing the decode panels is an op inside the load's wall
+    // time, and neither profiling nor the panels change a token (the mapping and the panels give
+    // the same bits).
     let o = recall(&[
         "generate",
         "--model",
@@ -101,6 +102,8 @@ fn generate_runs_and_reports() {
         "5",
         "--json",
         "--profile",
+        "--cpu-decode-panels",
+        "true",
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stderr(&o).contains("load: "), "{}", stderr(&o));
