@@ -177,7 +177,7 @@ mod x86 {
     ///
     /// # Safety
     /// AVX2 and F16C; the bounds as for [`panel512`].
-    #[target_feature(enable = "avx2,f16c")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn panel256(
         w: &Matrix<'_>,
         c0: usize,
@@ -186,21 +186,28 @@ mod x86 {
         kc: usize,
         panel: &mut [f32],
     ) -> usize {
-        let tiles = kc / 8;
+        let (base, kind, size) = storage(w);
+        let src = base.add((c0 * w.k + k0) * size);
         let out = panel.as_mut_ptr();
+        match kind {
+            F32 => tiles256::<F32>(src, w.k * size, rows, kc / 8, out),
+            BF16 => tiles256::<BF16>(src, w.k * size, rows, kc / 8, out),
+            _ => tiles256::<F16>(src, w.k * size, rows, kc / 8, out),
+        }
+        8 * (kc / 8)
+    }
+
+    /// `tiles` 8 × 8 transposes per half of the `rows` (≤ 16) rows from `src` (`ld` bytes
+    /// apart), 8 steps each, into `out`; rows past `rows` are zero.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tiles256<const KIND: u8>(src: *const u8, ld: usize, rows: usize, tiles: usize, out: *mut f32) {
+        let size = if KIND == F32 { 4 } else { 2 };
         for half in 0..2 {
             for t in 0..tiles {
                 let mut r = [_mm256_setzero_ps(); 8];
                 for j in 0..rows.saturating_sub(8 * half).min(8) {
-                    let at = (c0 + 8 * half + j) * w.k + k0 + 8 * t;
-                    r[j] = match w.data {
-                        RowMajor::F32(v) => _mm256_loadu_ps(v.as_ptr().add(at)),
-                        RowMajor::Bf16(b) => {
-                            let raw = _mm_loadu_si128(b.as_ptr().add(2 * at).cast());
-                            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))
-                        }
-                        RowMajor::F16(b) => _mm256_cvtph_ps(_mm_loadu_si128(b.as_ptr().add(2 * at).cast())),
-                    };
+                    r[j] = load256::<KIND>(src.add((8 * half + j) * ld + 8 * t * size));
                 }
                 let c = transpose8(r);
                 for i in 0..8 {
@@ -208,7 +215,6 @@ mod x86 {
                 }
             }
         }
-        8 * tiles
     }
 
     /// [`super::fused_rows`] for one whole panel `p`, in 8-column halves: 8 rows of the weight
