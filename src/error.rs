@@ -97,6 +97,10 @@ pub enum Error {
     /// A request is invalid (empty prompt, token id out of range, ...).
     #[error("invalid request: {0}")]
     InvalidRequest(String),
+
+    /// An option asks for an instruction set this CPU lacks (`--cpu-bf16-dot`).
+    #[error(transparent)]
+    Bf16DotUnavailable(#[from] crate::backend::cpu::gemm::Bf16DotUnavailable),
 }
 
 /// Result alias used throughout the library.

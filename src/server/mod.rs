@@ -250,7 +250,7 @@ impl AppState {
             args.max_episode_bytes,
         )?;
         // A server decodes for long: decode panels on unless --cpu-decode-panels false.
-        args.backend.apply_cpu(true);
+        args.backend.apply_cpu(true)?;
         let spec = EngineSpec {
             model: args.model.clone(),
             tokenizer: args.tokenizer.clone(),

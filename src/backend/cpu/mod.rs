@@ -131,10 +131,14 @@ impl CpuWeight {
         }
     }
 
-    /// Packs the decode panels of a matrix, when [`set_decode_panels`] is on.
+    /// Packs the decode panels of a matrix, when [`set_decode_panels`] is on (not for the weights
+    /// [`gemm::set_bf16_dot`] takes: its kernel reads pairs, not widened panels).
     fn pack_if_asked(&self) {
         if DECODE_PANELS.load(Ordering::Relaxed) {
-            if let Some(w) = self.row_major() {
+            if let Some(w) = self
+                .row_major()
+                .filter(|w| !(gemm::bf16_dot() && gemm::takes_bf16_dot(w)))
+            {
                 self.panels.get_or_init(|| {
                     let _op = profile::start("pack");
                     gemm::Panels::pack(&w)

@@ -34,6 +34,46 @@ pub(super) fn panels(
     }
 }
 
+/// Packs panels `s0..s1` of a bf16 weight (`k` even) as 32-bit pairs, pair steps `i0..i0 + ic`,
+/// into `dst` (`(s1 - s0) · ic · 16` words) for `dot_bf16.rs`: panel `p`'s step `i`, lane `j` is
+/// the word `W[16p + j][2(i0 + i)] | W[16p + j][2(i0 + i) + 1] << 16` — two neighbours as they lie in
+/// the checkpoint, so the 16 × 16 transposes of 32-bit lanes move them unchanged (zero past `n`).
+pub(super) fn pairs(w: &Matrix<'_>, (s0, s1): (usize, usize), (i0, ic): (usize, usize), dst: &mut [u32]) {
+    let RowMajor::Bf16(b) = w.data else {
+        panic!("bf16 pairs of a bf16 weight")
+    };
+    assert!(w.k.is_multiple_of(2), "an even k");
+    assert_eq!(dst.len(), (s1 - s0) * ic * NR, "a block of {} panels", s1 - s0);
+    assert!(
+        s1 * NR < w.n + NR && 2 * (i0 + ic) <= w.k,
+        "a block inside the weight"
+    );
+    for p in s0..s1 {
+        let panel = &mut dst[(p - s0) * ic * NR..(p - s0 + 1) * ic * NR];
+        let rows = NR.min(w.n - p * NR);
+        #[cfg(target_arch = "x86_64")]
+        let done = if rows == NR && std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F; rows `16p..16p + 16` and pair steps `i0..i0 + ic`
+            // lie inside `w` (checked above); `panel` holds `ic · 16` words.
+            unsafe { x86::pairs512(w, p * NR, i0, ic, panel) }
+        } else {
+            0
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let done = 0;
+        for (j, c) in (p * NR..p * NR + NR).enumerate() {
+            for i in done..ic {
+                let at = 2 * (c * w.k + 2 * (i0 + i));
+                panel[i * NR + j] = if j < rows {
+                    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+                } else {
+                    0
+                };
+            }
+        }
+    }
+}
+
 /// Steps `k0..k0 + kc` of rows `c0..c0 + rows` into `panel[kk][j]` (rows past `rows` zero).
 fn scalar(w: &Matrix<'_>, c0: usize, rows: usize, (k0, kc): (usize, usize), panel: &mut [f32]) {
     let k = w.k;
@@ -106,6 +146,21 @@ mod x86 {
             _ => tiles512::<F16>(src, w.k * size, kc / 16, out),
         }
         16 * (kc / 16)
+    }
+
+    /// The first `ic - ic % 16` pair steps of one whole panel of a bf16 weight (rows
+    /// `c0..c0 + 16`) as 16 × 16 transposes of 32-bit words; returns how many it packed.
+    ///
+    /// # Safety
+    /// AVX-512F; rows `c0..c0 + 16` and pair steps `i0..i0 + ic` inside `w` (bf16, `k` even);
+    /// `panel` holds `ic · 16` words.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn pairs512(w: &Matrix<'_>, c0: usize, i0: usize, ic: usize, panel: &mut [u32]) -> usize {
+        let (base, _, _) = storage(w);
+        let src = base.add((c0 * w.k + 2 * i0) * 2);
+        // A pair is 4 bytes: the f32 tiles move its bits as they are.
+        tiles512::<F32>(src, w.k * 2, ic / 16, panel.as_mut_ptr().cast());
+        16 * (ic / 16)
     }
 
     /// 16 values of storage `KIND` at `p`, widened to f32.

@@ -1,0 +1,409 @@
+//! The opt-in bf16 GEMM on AMX tiles (Intel Sapphire Rapids and later): `TDPBF16PS` multiplies a
+//! 16 × 32 bf16 tile of `x` by a 32 × 16 tile of the weight into 16 × 16 f32 sums, 16,384
+//! FLOPs per instruction — what oneDNN runs PyTorch's bf16 matmuls on such CPUs with.
+//!
+//! The inputs are those of `dot_bf16.rs` (`x` rounded to bf16 by `round_pairs`, the weight's
+//! pairs packed by `pack::pairs`), and so is the frame: blocks of panels, chains carried through
+//! memory between blocks. How one `TDPBF16PS` adds its 32 products to an accumulator is the
+//! hardware's (it is neither sequential order of fused multiply-adds: `tests/cpu_bf16_dot.rs`),
+//! but every output element is computed alone, from its own row and column only, and the steps of
+//! `k` are always the same 32-value groups from 0 (`k` padded with zeros to a multiple of 32), so
+//! a row still has the same bits alone, in a batch, on any number of threads — the rows of a tile
+//! past `m` are zeros whose sums are dropped.
+//!
+//! Calls of at most 16 rows (decode) swap the operands instead: the weight's rows are the first
+//! tile, loaded straight from the mapping (16 rows of 32 values, nothing packed, so decode streams
+//! the weight once), and `x`, transposed into pairs, the second; the sums come out transposed.
+//! The products are exact and `TDPBF16PS` adds them the same way whichever operand brings them
+//! (measured bitwise on random tiles, and `tests/cpu_bf16_dot.rs` checks rows alone against the
+//! same rows in a many-row call), so both give the same bits.
+//!
+//! The tiles are named in `asm!` (the compiler never uses them, so they keep their contents
+//! between the blocks of one kernel call): tmm0–3 the 2 × 2 sums (32 rows × 2 panels), tmm4–5
+//! two row tiles of `x`, tmm6–7 two panel tiles.
+
+use std::arch::asm;
+use std::sync::OnceLock;
+
+use super::{pack, Matrix, RowMajor, NR};
+
+/// Rows of a tile.
+const TR: usize = 16;
+/// Pair steps of `k` per `TDPBF16PS` (64 bytes of a tile row).
+const TS: usize = 16;
+/// Pair steps per packed block of a many-row call (2,048 values of `k`).
+const WIDE_PAIRS: usize = 1024;
+/// Panels per packed block of a many-row call (1.5 MiB of pairs).
+const WIDE_PANELS: usize = 24;
+/// Pair steps and panels per block of a call of fewer than 32 rows (16 KiB).
+const NARROW: (usize, usize) = (2, 128);
+
+/// Whether this CPU has AMX-BF16 and the kernel lets this process use the tiles (Linux asks for
+/// it once, `arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`).
+pub(super) fn available() -> bool {
+    static OK: OnceLock<bool> = OnceLock::new();
+    *OK.get_or_init(|| {
+        // CPUID leaf 7 exists on every x86-64 CPU that has AVX-512 (checked first).
+        let has = super::dot_bf16::available() && {
+            let id = std::arch::x86_64::__cpuid_count(7, 0);
+            id.edx & (1 << 22) != 0 && id.edx & (1 << 24) != 0 // AMX-BF16, AMX-TILE
+        };
+        has && request_tiles()
+    })
+}
+
+#[cfg(target_os = "linux")]
+fn request_tiles() -> bool {
+    const ARCH_REQ_XCOMP_PERM: i64 = 0x1023;
+    const XFEATURE_XTILEDATA: i64 = 18;
+    const SYS_ARCH_PRCTL: i64 = 158;
+    let ret: i64;
+    // SAFETY: arch_prctl with these arguments only changes which state this process may use.
+    unsafe {
+        asm!("syscall", inlateout("rax") SYS_ARCH_PRCTL => ret, in("rdi") ARCH_REQ_XCOMP_PERM,
+             in("rsi") XFEATURE_XTILEDATA, lateout("rcx") _, lateout("r11") _, options(nostack));
+    }
+    ret == 0
+}
+
+#[cfg(not(target_os = "linux"))]
+fn request_tiles() -> bool {
+    false
+}
+
+/// `x`'s pairs (from `dot_bf16::round_pairs`, `[m][kp]`) copied into rows of `kpp` words (`kp`
+/// rounded up to 16) and `m` rounded up to 16 rows, the rest zero: whole tiles to load.
+pub(super) fn pad_rows(a: &[u32], m: usize, kp: usize) -> (Vec<u32>, usize) {
+    let kpp = kp.div_ceil(TS) * TS;
+    let mut out = vec![0u32; m.div_ceil(TR) * TR * kpp];
+    for r in 0..m {
+        out[r * kpp..r * kpp + kp].copy_from_slice(&a[r * kp..(r + 1) * kp]);
+    }
+    (out, kpp)
+}
+
+/// Rows up to which a call runs the swapped kernel ([`few_rows`]).
+pub(super) const FEW_ROWS: usize = TR;
+
+/// `x`'s pairs (`[m][kp]`, `m` ≤ 16) transposed to `[kpp][16]` (`kpp`: `kp` rounded up to 16),
+/// zero past `m` and `kp`: the second operand of the swapped kernel.
+pub(super) fn transpose_rows(a: &[u32], m: usize, kp: usize) -> (Vec<u32>, usize) {
+    assert!(m <= FEW_ROWS && a.len() >= m * kp, "at most 16 rows");
+    let kpp = kp.div_ceil(TS) * TS;
+    let mut out = vec![0u32; kpp * TR];
+    for r in 0..m {
+        for i in 0..kp {
+            out[i * TR + r] = a[r * kp + i];
+        }
+    }
+    (out, kpp)
+}
+
+/// Columns of panels `p0..p1` of `y` for `m` ≤ 16 rows (`xt` from [`transpose_rows`]): two
+/// panels of the weight at a time as the first operand, read where they lie; a step of `k` that
+/// would run past a row's end, or a panel past `n`, goes through a zero-padded copy.
+pub(super) fn few_rows(
+    xt: &[u32],
+    kpp: usize,
+    m: usize,
+    w: &Matrix<'_>,
+    (p0, p1): (usize, usize),
+    y: &mut [f32],
+) {
+    let RowMajor::Bf16(bytes) = w.data else {
+        panic!("a bf16 weight")
+    };
+    let (n, k) = (w.n, w.k);
+    assert!(
+        xt.len() >= kpp * TR && kpp * 2 >= k && y.len() >= m * n,
+        "rows of x and y"
+    );
+    let whole_steps = k / 2 / TS;
+    let mut pad = [[0u32; TS]; TR];
+    let mut sums = [[[0f32; TR]; NR]; 2];
+    // SAFETY: `available()` was checked by the caller (`gemm_bf16_dot`).
+    unsafe { x86::configure() };
+    for p in (p0..p1).step_by(2) {
+        let np = (p1 - p).min(2);
+        // SAFETY: as above.
+        unsafe { x86::zero_sums() };
+        for s in 0..kpp / TS {
+            // SAFETY: `xt` holds `kpp` pair steps of 16 words (asserted above).
+            unsafe { x86::load_x(xt.as_ptr().add(s * TS * TR)) };
+            for q in 0..np {
+                let c0 = (p + q) * NR;
+                if c0 + NR <= n && s < whole_steps {
+                    let at = 2 * (c0 * k + 2 * s * TS);
+                    assert!(
+                        at + 2 * ((NR - 1) * k + 2 * TS) <= bytes.len(),
+                        "rows inside the weight"
+                    );
+                    // SAFETY: the 16 rows of 64 bytes from `at`, `2k` apart, lie inside `bytes`.
+                    unsafe { x86::dot_rows(q, bytes.as_ptr().add(at), 2 * k) };
+                } else {
+                    pad_step(bytes, (n, k), c0, s, &mut pad);
+                    // SAFETY: `pad` is 16 rows of 64 bytes.
+                    unsafe { x86::dot_rows(q, pad.as_ptr().cast(), 4 * TS) };
+                }
+            }
+        }
+        // SAFETY: `sums` holds two 16 × 16 tiles.
+        unsafe { x86::store_sums(&mut sums) };
+        for (q, tile) in sums.iter().enumerate().take(np) {
+            let c0 = (p + q) * NR;
+            for (j, col) in tile.iter().enumerate().take(n.saturating_sub(c0).min(NR)) {
+                for (r, v) in col.iter().enumerate().take(m) {
+                    y[r * n + c0 + j] = *v;
+                }
+            }
+        }
+    }
+    // SAFETY: as above.
+    unsafe { x86::release() };
+}
+
+/// Pair step `s` (16 pairs) of rows `c0..c0 + 16` into `pad`, zero past `n` and past `k`.
+fn pad_step(bytes: &[u8], (n, k): (usize, usize), c0: usize, s: usize, pad: &mut [[u32; TS]; TR]) {
+    for (j, row) in pad.iter_mut().enumerate() {
+        for (i, v) in row.iter_mut().enumerate() {
+            let pair = s * TS + i;
+            *v = if c0 + j < n && 2 * pair < k {
+                let at = 2 * ((c0 + j) * k + 2 * pair);
+                u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
+            } else {
+                0
+            };
+        }
+    }
+}
+
+thread_local! {
+    /// Each thread's packed block of pairs, reused across calls.
+    static PAIRS: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Columns of panels `p0..p1` of `y` (`[m, w.n]`) for every row of `a` (from [`pad_rows`]).
+pub(super) fn panel_range(
+    a: &[u32],
+    kpp: usize,
+    m: usize,
+    w: &Matrix<'_>,
+    (p0, p1): (usize, usize),
+    y: &mut [f32],
+) {
+    let kp = w.k / 2;
+    assert!(
+        a.len() >= m.div_ceil(TR) * TR * kpp && y.len() >= m * w.n,
+        "rows of a and y"
+    );
+    let (block_panels, block_pairs) = if m >= 32 {
+        (WIDE_PANELS, WIDE_PAIRS)
+    } else {
+        NARROW
+    };
+    // SAFETY: `available()` was checked by the caller (`gemm_bf16_dot`).
+    unsafe { x86::configure() };
+    PAIRS.with_borrow_mut(|buf| {
+        buf.resize(block_panels * block_pairs * NR, 0);
+        for s0 in (p0..p1).step_by(block_panels) {
+            let s1 = (s0 + block_panels).min(p1);
+            for i0 in (0..kp).step_by(block_pairs) {
+                let ic = block_pairs.min(kp - i0);
+                let icp = ic.div_ceil(TS) * TS;
+                for p in s0..s1 {
+                    let panel = &mut buf[(p - s0) * icp * NR..(p - s0 + 1) * icp * NR];
+                    pack::pairs(w, (p, p + 1), (i0, ic), &mut panel[..ic * NR]);
+                    panel[ic * NR..].fill(0);
+                }
+                let block = Block {
+                    a,
+                    kpp,
+                    i0,
+                    icp,
+                    panels: &buf[..(s1 - s0) * icp * NR],
+                    s0,
+                };
+                block_pass(&block, (m, w.n), (s0, s1), y);
+            }
+        }
+    });
+    // SAFETY: as above.
+    unsafe { x86::release() };
+}
+
+/// One packed block: pair steps `i0..i0 + icp` of the rows of `a` (`kpp` words each) and panels
+/// from `s0` on (`icp · 16` words apart).
+struct Block<'a> {
+    a: &'a [u32],
+    kpp: usize,
+    i0: usize,
+    icp: usize,
+    panels: &'a [u32],
+    s0: usize,
+}
+
+/// A [`Block`] over all rows and panels `p0..p1`, 32 rows × 2 panels per kernel call; the sums
+/// of the earlier blocks come from `y` and go back there.
+fn block_pass(b: &Block<'_>, (m, n): (usize, usize), (p0, p1): (usize, usize), y: &mut [f32]) {
+    let mut sums = [[0f32; 2 * NR]; 2 * TR];
+    for r0 in (0..m).step_by(2 * TR) {
+        let tiles_r = if m - r0 > TR { 2 } else { 1 };
+        for p in (p0..p1).step_by(2) {
+            let tiles_p = (p1 - p).min(2);
+            let c0 = p * NR;
+            let cols = (tiles_p * NR).min(n - c0);
+            let rows = (m - r0).min(2 * TR);
+            for (i, s) in sums.iter_mut().enumerate() {
+                s.fill(0.0);
+                if b.i0 > 0 && i < rows {
+                    s[..cols].copy_from_slice(&y[(r0 + i) * n + c0..(r0 + i) * n + c0 + cols]);
+                }
+            }
+            let x = &b.a[r0 * b.kpp + b.i0..];
+            let panels = &b.panels[(p - b.s0) * b.icp * NR..];
+            assert!(x.len() >= (tiles_r * TR - 1) * b.kpp + b.icp, "rows of the tiles");
+            assert!(panels.len() >= tiles_p * b.icp * NR, "panels of the tiles");
+            // SAFETY: the tiles are configured (`panel_range`); the bounds are asserted above.
+            unsafe {
+                x86::kernel(
+                    x.as_ptr(),
+                    b.kpp,
+                    panels.as_ptr(),
+                    b.icp,
+                    (tiles_r, tiles_p),
+                    &mut sums,
+                )
+            };
+            for (i, s) in sums.iter().enumerate().take(rows) {
+                y[(r0 + i) * n + c0..(r0 + i) * n + c0 + cols].copy_from_slice(&s[..cols]);
+            }
+        }
+    }
+}
+
+mod x86 {
+    use std::arch::asm;
+
+    use super::{NR, TR, TS};
+
+    /// Palette 1, all eight tiles 16 rows of 64 bytes.
+    #[repr(C, align(64))]
+    struct Config([u8; 64]);
+
+    /// # Safety
+    /// The CPU has AMX and this process may use it ([`super::available`]).
+    pub unsafe fn configure() {
+        let mut c = Config([0; 64]);
+        c.0[0] = 1;
+        for t in 0..8 {
+            c.0[16 + 2 * t] = 64; // bytes per row
+            c.0[48 + t] = TR as u8; // rows
+        }
+        asm!("ldtilecfg [{c}]", c = in(reg) c.0.as_ptr(), options(nostack, readonly));
+    }
+
+    /// The swapped kernel's sums (tmm0, tmm1) to zero.
+    ///
+    /// # Safety
+    /// Tiles configured.
+    pub unsafe fn zero_sums() {
+        asm!("tilezero tmm0", "tilezero tmm1", options(nostack, nomem));
+    }
+
+    /// 16 pair steps of `x`, transposed (`[16][16]` words), into tmm6.
+    ///
+    /// # Safety
+    /// Tiles configured; `xt` holds 256 words.
+    pub unsafe fn load_x(xt: *const u32) {
+        asm!("tileloadd tmm6, [{p} + {ld}*1]", p = in(reg) xt, ld = in(reg) 64usize, options(nostack, readonly));
+    }
+
+    /// Sums `q` (tmm0 or tmm1) += 16 weight rows (64 bytes each, `ld` bytes apart, from `rows`)
+    /// times tmm6.
+    ///
+    /// # Safety
+    /// Tiles configured; the 16 rows are readable.
+    pub unsafe fn dot_rows(q: usize, rows: *const u8, ld: usize) {
+        if q == 0 {
+            asm!("tileloadd tmm4, [{p} + {ld}*1]", "tdpbf16ps tmm0, tmm4, tmm6",
+                 p = in(reg) rows, ld = in(reg) ld, options(nostack, readonly));
+        } else {
+            asm!("tileloadd tmm5, [{p} + {ld}*1]", "tdpbf16ps tmm1, tmm5, tmm6",
+                 p = in(reg) rows, ld = in(reg) ld, options(nostack, readonly));
+        }
+    }
+
+    /// tmm0 and tmm1 into `sums` (`[weight row][row of x]`).
+    ///
+    /// # Safety
+    /// Tiles configured.
+    pub unsafe fn store_sums(sums: &mut [[[f32; TR]; NR]; 2]) {
+        let (a, b) = (sums[0].as_mut_ptr(), sums[1].as_mut_ptr());
+        asm!("tilestored [{a} + {ld}*1], tmm0", "tilestored [{b} + {ld}*1], tmm1",
+             a = in(reg) a, b = in(reg) b, ld = in(reg) 64usize, options(nostack));
+    }
+
+    /// # Safety
+    /// As for [`configure`].
+    pub unsafe fn release() {
+        asm!("tilerelease", options(nostack, nomem));
+    }
+
+    /// `sums[32][32]` (rows × 2 panels; only `tiles` of the 2 × 2 tiles used) += the products of
+    /// `x` (rows `kpp` words apart) and the panels (`icp · 16` words apart) over `icp` pair steps.
+    ///
+    /// # Safety
+    /// Tiles configured; `x` holds `16 · tiles.0` rows of `icp` words, the panels `tiles.1` panels.
+    pub unsafe fn kernel(
+        x: *const u32,
+        kpp: usize,
+        w: *const u32,
+        icp: usize,
+        tiles: (usize, usize),
+        sums: &mut [[f32; 2 * NR]; 2 * TR],
+    ) {
+        let c = sums.as_mut_ptr().cast::<f32>();
+        let (ldc, ldx) = (2 * NR * 4, kpp * 4);
+        let (c01, c10, c11) = (c.add(NR), c.add(TR * 2 * NR), c.add(TR * 2 * NR + NR));
+        asm!("tileloadd tmm0, [{c} + {ld}*1]", "tileloadd tmm1, [{c01} + {ld}*1]",
+             "tileloadd tmm2, [{c10} + {ld}*1]", "tileloadd tmm3, [{c11} + {ld}*1]",
+             c = in(reg) c, c01 = in(reg) c01, c10 = in(reg) c10, c11 = in(reg) c11, ld = in(reg) ldc,
+             options(nostack, readonly));
+        let panel = icp * NR;
+        for s in (0..icp).step_by(TS) {
+            // The second row tile and panel are only read when `tiles` has them.
+            let (x0, x1) = (x.add(s), x.wrapping_add(TR * kpp + s));
+            let (w0, w1) = (w.add(s * NR), w.wrapping_add(panel + s * NR));
+            match tiles {
+                (2, 2) => asm!(
+                    "tileloadd tmm4, [{x0} + {ldx}*1]", "tileloadd tmm5, [{x1} + {ldx}*1]",
+                    "tileloadd tmm6, [{w0} + {ldw}*1]", "tileloadd tmm7, [{w1} + {ldw}*1]",
+                    "tdpbf16ps tmm0, tmm4, tmm6", "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tdpbf16ps tmm2, tmm5, tmm6", "tdpbf16ps tmm3, tmm5, tmm7",
+                    x0 = in(reg) x0, x1 = in(reg) x1, w0 = in(reg) w0, w1 = in(reg) w1,
+                    ldx = in(reg) ldx, ldw = in(reg) 64usize, options(nostack, readonly)),
+                (2, _) => asm!(
+                    "tileloadd tmm4, [{x0} + {ldx}*1]", "tileloadd tmm5, [{x1} + {ldx}*1]",
+                    "tileloadd tmm6, [{w0} + {ldw}*1]",
+                    "tdpbf16ps tmm0, tmm4, tmm6", "tdpbf16ps tmm2, tmm5, tmm6",
+                    x0 = in(reg) x0, x1 = in(reg) x1, w0 = in(reg) w0,
+                    ldx = in(reg) ldx, ldw = in(reg) 64usize, options(nostack, readonly)),
+                (_, 2) => asm!(
+                    "tileloadd tmm4, [{x0} + {ldx}*1]",
+                    "tileloadd tmm6, [{w0} + {ldw}*1]", "tileloadd tmm7, [{w1} + {ldw}*1]",
+                    "tdpbf16ps tmm0, tmm4, tmm6", "tdpbf16ps tmm1, tmm4, tmm7",
+                    x0 = in(reg) x0, w0 = in(reg) w0, w1 = in(reg) w1,
+                    ldx = in(reg) ldx, ldw = in(reg) 64usize, options(nostack, readonly)),
+                _ => asm!(
+                    "tileloadd tmm4, [{x0} + {ldx}*1]", "tileloadd tmm6, [{w0} + {ldw}*1]",
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    x0 = in(reg) x0, w0 = in(reg) w0,
+                    ldx = in(reg) ldx, ldw = in(reg) 64usize, options(nostack, readonly)),
+            }
+        }
+        asm!("tilestored [{c} + {ld}*1], tmm0", "tilestored [{c01} + {ld}*1], tmm1",
+             "tilestored [{c10} + {ld}*1], tmm2", "tilestored [{c11} + {ld}*1], tmm3",
+             c = in(reg) c, c01 = in(reg) c01, c10 = in(reg) c10, c11 = in(reg) c11, ld = in(reg) ldc,
+             options(nostack));
+    }
+}
