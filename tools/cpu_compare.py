@@ -5,7 +5,8 @@ Both run one greedy generation of the same chat (a text of about --prompt-tokens
 --images synthetic screenshots of --image-size before it) on this machine's cores, one after the other:
 
 * HF: ``AutoModelForImageTextToText`` in float32 (bf16 checkpoints are upcast, so both compute on the
-  same values), ``generate(do_sample=False)``; the vision tower timed on its own
+  same values; ``--hf-dtype bfloat16`` runs PyTorch's bf16 instead, the peer of recall's
+  ``--recall-arg=--cpu-bf16-dot``), ``generate(do_sample=False)``; the vision tower timed on its own
   (``get_image_features``), the prefill as the first forward minus the tower, the decode as the mean
   of the later steps.
 * recall: ``recall generate --backend cpu --json --profile`` (the load, the vision tower, the prefill
@@ -53,6 +54,11 @@ def parse():
                     help="runs of each side, interleaved (recall, HF, recall, ...); medians reported")
     ap.add_argument("--peak-gflops", type=float, default=None,
                     help="use this f32 FMA peak instead of the one recall measures in each run")
+    ap.add_argument("--hf-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="HF's compute dtype: float32 (the exact reference) or bfloat16 (PyTorch's bf16 "
+                         "matmuls, the peer of recall's --cpu-bf16-dot)")
+    ap.add_argument("--recall-arg", action="append", default=[],
+                    help="extra argument for recall generate, e.g. --recall-arg=--cpu-bf16-dot; repeatable")
     ap.add_argument("--json", default=None, help="also write the report here")
     return ap.parse_args()
 
@@ -85,11 +91,11 @@ def chat(tokenizer, target, images):
 class Hf:
     """The HF side: the model loaded once, then timed generations."""
 
-    def __init__(self, model_dir, messages):
+    def __init__(self, model_dir, messages, dtype="float32"):
         import torch
         from transformers import AutoModelForImageTextToText, AutoProcessor
         self.torch = torch
-        self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
         processor = AutoProcessor.from_pretrained(model_dir)
         self.inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                     return_dict=True, return_tensors="pt")
@@ -141,9 +147,9 @@ def torch_matmul_gflops():
     return 2 * 2048 ** 3 / ((time.perf_counter() - t) / n) / 1e9
 
 
-def run_recall(binary, model_dir, messages_path, new_tokens):
+def run_recall(binary, model_dir, messages_path, new_tokens, extra=()):
     out = subprocess.run([binary, "generate", "--backend", "cpu", "--json", "--profile", "--model", model_dir,
-                          "--messages", messages_path, "--max-tokens", str(new_tokens)],
+                          "--messages", messages_path, "--max-tokens", str(new_tokens), *extra],
                          capture_output=True, text=True, env={**os.environ, "RUST_LOG": "warn"})
     if out.returncode != 0:
         sys.exit(f"recall failed:\n{out.stderr}")
@@ -179,12 +185,12 @@ def main():
         path = os.path.join(tmp, "messages.json")
         with open(path, "w") as f:
             json.dump(ours, f)
-        hf_side = Hf(args.model, messages)
+        hf_side = Hf(args.model, messages, args.hf_dtype)
         if images:
             hf_side.run(1, images)  # warm-up of the tower's first call
         recs, hfs = [], []
         for _ in range(args.repeats):
-            recs.append(run_recall(args.recall, args.model, path, args.new_tokens))
+            recs.append(run_recall(args.recall, args.model, path, args.new_tokens, args.recall_arg))
             hfs.append(hf_side.run(args.new_tokens, images))
         rec, hf = dict(recs[0]), dict(hfs[0])
         for key in ("vision_seconds", "prefill_seconds", "decode_ms_per_token"):
@@ -207,6 +213,8 @@ def main():
     n_img = max(1, args.images)
     report = {
         "model": args.model,
+        "hf_dtype": args.hf_dtype,
+        "recall_args": args.recall_arg,
         "images": args.images,
         "new_tokens": args.new_tokens,
         "recall": {k: v for k, v in rec.items() if k != "prefill_ops"},
@@ -221,7 +229,8 @@ def main():
         "linear_share_of_peak": share_of_peak,
     }
     print(f"prompt tokens: recall {rec['prompt_tokens']}, HF {hf['prompt_tokens']}; {args.images} screenshot(s); "
-          f"{rec['backend']} vs torch with {hf['threads']} threads; medians of {args.repeats} interleaved runs")
+          f"{rec['backend']} {' '.join(args.recall_arg)} vs torch {args.hf_dtype} with {hf['threads']} threads; "
+          f"medians of {args.repeats} interleaved runs")
     print("| | recall | HF transformers | recall / HF |")
     print("|---|---|---|---|")
     print(f"| prefill (s) | {rec['prefill_seconds']:.3f} | {hf['prefill_seconds']:.3f} | {report['prefill_ratio']:.2f} |")
