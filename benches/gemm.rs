@@ -1,7 +1,10 @@
 //! The CPU GEMM (`linear`) in GFLOP/s: a 2048³ product (prefill-shaped), the Qwen3-VL-2B MLP
 //! projections at 1,278 rows, and single-row decode (memory-bound), for f32 and bf16 weights.
 //! `peak` measures this machine's f32 FMA peak (`recall::backend::cpu::peak`): independent FMAs in
-//! registers on every thread. `cargo bench --bench gemm`; `tools/cpu_compare.py` measures PyTorch's 2048³ matmul.
+//! registers on every thread. `read` measures the memory read bandwidth decode is bound by: every
+//! thread sums its share of a 2 GiB buffer (larger than any cache; about the 2B shape's f32 weights
+//! at 4 layers, `lm_head` included). `cargo bench --bench gemm`; `tools/cpu_compare.py` measures
+//! PyTorch's 2048³ matmul.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use recall::backend::cpu::gemm::{gemm, Matrix, RowMajor};
@@ -48,6 +51,26 @@ fn peak(c: &mut Criterion) {
     g.finish();
 }
 
+fn read(c: &mut Criterion) {
+    use rayon::prelude::*;
+    let words: Vec<u64> = (0..(2usize << 30) / 8).map(|i| i as u64).collect();
+    let mut g = c.benchmark_group("read");
+    g.sample_size(10);
+    g.throughput(Throughput::Bytes((words.len() * 8) as u64));
+    let threads = rayon::current_num_threads();
+    g.bench_function(format!("2GiB_{threads}_threads"), |b| {
+        b.iter(|| {
+            // Integer sums vectorize (no rounding order to keep), so the loop is load-bound.
+            let chunk = words.len().div_ceil(threads);
+            words
+                .par_chunks(chunk)
+                .map(|c| c.iter().fold(0u64, |a, &w| a.wrapping_add(w)))
+                .reduce(|| 0, u64::wrapping_add)
+        })
+    });
+    g.finish();
+}
+
 fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("gemm");
     g.sample_size(10);
@@ -72,5 +95,5 @@ fn bench(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, peak, bench);
+criterion_group!(benches, peak, read, bench);
 criterion_main!(benches);
