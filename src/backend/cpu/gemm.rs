@@ -29,16 +29,23 @@
 //! (`recall serve`); a one-shot run reads the mapping (the transposes fused into the chains,
 //! `pack.rs`). Both give the same bits.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
 #[cfg(target_arch = "x86_64")]
 mod amx;
+mod bf16;
 #[cfg(target_arch = "x86_64")]
 mod dot_bf16;
 mod pack;
+
+use bf16::BF16_DOT;
+pub use bf16::{
+    bf16_dot, bf16_dot_available, gemm_bf16_dot, gemm_bf16_dot_with, set_bf16_dot, takes_bf16_dot,
+    Bf16DotUnavailable, Bf16Kernel,
+};
 
 /// Output columns per panel (one AVX-512 register of f32).
 pub const NR: usize = 16;
@@ -320,131 +327,6 @@ pub fn gemm_with(isa: Isa, x: &[f32], m: usize, w: &Matrix<'_>, bias: Option<&[f
     by_panels(x, m, w, bias, y, |(p0, p1), y| {
         panel_range(isa, x, m, w, p0, p1, y)
     });
-}
-
-/// Whether calls on bf16 weights go through AVX512-BF16 (see [`set_bf16_dot`]).
-static BF16_DOT: AtomicBool = AtomicBool::new(false);
-
-/// `--cpu-bf16-dot` on a CPU without AVX512-BF16.
-#[derive(Debug, thiserror::Error)]
-#[error("--cpu-bf16-dot needs AVX512-BF16 (avx512_bf16 in /proc/cpuinfo), which this CPU lacks")]
-pub struct Bf16DotUnavailable;
-
-/// Routes every [`gemm`] on a bf16 weight (with an even `k`) through [`gemm_bf16_dot`]: the
-/// activations rounded to bf16 and multiplied with `VDPBF16PS`, twice the multiply-adds per cycle,
-/// as bf16 inference on a CPU usually runs (oneDNN, llama.cpp). Not HF's float32 result, which the
-/// default path gives bit for bit; its error against HF is in docs/PERFORMANCE.md. Process-wide,
-/// so every call switches together: a row still has the same bits alone or in a batch.
-///
-/// # Errors
-/// [`Bf16DotUnavailable`] when `on` and the CPU lacks AVX512-BF16 (the setting is left off).
-pub fn set_bf16_dot(on: bool) -> Result<(), Bf16DotUnavailable> {
-    if on && !bf16_dot_available() {
-        return Err(Bf16DotUnavailable);
-    }
-    BF16_DOT.store(on, Ordering::Relaxed);
-    Ok(())
-}
-
-/// Whether [`set_bf16_dot`] is on.
-pub fn bf16_dot() -> bool {
-    BF16_DOT.load(Ordering::Relaxed)
-}
-
-/// Whether this CPU has AVX512-BF16 (AMX-BF16 CPUs have it too).
-pub fn bf16_dot_available() -> bool {
-    Bf16Kernel::Avx512Bf16.available()
-}
-
-/// The instructions [`gemm_bf16_dot`] runs on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Bf16Kernel {
-    /// AMX tiles (`TDPBF16PS`, Sapphire Rapids and later): 16 × 16 sums of 32 products each.
-    Amx,
-    /// AVX-512 (`VDPBF16PS`): one fused multiply-add chain per output (`dot_bf16.rs`).
-    Avx512Bf16,
-}
-
-impl Bf16Kernel {
-    /// AMX where the CPU has it, else AVX512-BF16 (or `RECALL_CPU_BF16=amx|avx512`, when the CPU
-    /// has it). `None` without either.
-    pub fn detect() -> Option<Bf16Kernel> {
-        static KERNEL: OnceLock<Option<Bf16Kernel>> = OnceLock::new();
-        *KERNEL.get_or_init(|| {
-            let forced = match std::env::var("RECALL_CPU_BF16").as_deref() {
-                Ok("amx") => Some(Bf16Kernel::Amx),
-                Ok("avx512") => Some(Bf16Kernel::Avx512Bf16),
-                _ => None,
-            };
-            match forced {
-                Some(k) if k.available() => Some(k),
-                _ => [Bf16Kernel::Amx, Bf16Kernel::Avx512Bf16]
-                    .into_iter()
-                    .find(|k| k.available()),
-            }
-        })
-    }
-
-    /// Whether this CPU (and, for AMX, the OS) can run it.
-    pub fn available(self) -> bool {
-        #[cfg(target_arch = "x86_64")]
-        return match self {
-            Bf16Kernel::Amx => amx::available(),
-            Bf16Kernel::Avx512Bf16 => dot_bf16::available(),
-        };
-        #[cfg(not(target_arch = "x86_64"))]
-        false
-    }
-}
-
-/// Whether [`gemm_bf16_dot`] can multiply by `w`: bf16, with an even `k` (every weight of the
-/// Qwen-VL families; an odd `k` stays on the exact path for every call, so its rows agree too).
-pub fn takes_bf16_dot(w: &Matrix<'_>) -> bool {
-    matches!(w.data, RowMajor::Bf16(_)) && w.k.is_multiple_of(2)
-}
-
-/// `y = bf16(x) · Wᵀ (+ bias)` on the detected [`Bf16Kernel`], whatever [`set_bf16_dot`] says.
-///
-/// # Panics
-/// When the CPU lacks AVX512-BF16 or `w` is not [`takes_bf16_dot`].
-pub fn gemm_bf16_dot(x: &[f32], m: usize, w: &Matrix<'_>, bias: Option<&[f32]>, y: &mut [f32]) {
-    let kernel = Bf16Kernel::detect().unwrap_or_else(|| panic!("{Bf16DotUnavailable}"));
-    gemm_bf16_dot_with(kernel, x, m, w, bias, y)
-}
-
-/// [`gemm_bf16_dot`] on a given kernel (which must be [`available`](Bf16Kernel::available)).
-/// Each kernel has its own bits (the sums inside one AMX instruction are the hardware's); on
-/// either, a row's bits do not depend on its batch.
-pub fn gemm_bf16_dot_with(
-    kernel: Bf16Kernel,
-    x: &[f32],
-    m: usize,
-    w: &Matrix<'_>,
-    bias: Option<&[f32]>,
-    y: &mut [f32],
-) {
-    assert!(kernel.available(), "{kernel:?} is not available on this CPU");
-    assert!(takes_bf16_dot(w), "a bf16 weight with an even k");
-    #[cfg(target_arch = "x86_64")]
-    {
-        assert_eq!(x.len(), m * w.k, "x is not [{m}, {}]", w.k);
-        let a = dot_bf16::round_pairs(x);
-        match kernel {
-            Bf16Kernel::Amx if m <= amx::FEW_ROWS => {
-                let (xt, kpp) = amx::transpose_rows(&a, m, w.k / 2);
-                by_panels(x, m, w, bias, y, |p, y| amx::few_rows(&xt, kpp, m, w, p, y));
-            }
-            Bf16Kernel::Amx => {
-                let (a, kpp) = amx::pad_rows(&a, m, w.k / 2);
-                by_panels(x, m, w, bias, y, |p, y| amx::panel_range(&a, kpp, m, w, p, y));
-            }
-            Bf16Kernel::Avx512Bf16 => {
-                by_panels(x, m, w, bias, y, |(p0, p1), y| {
-                    dot_bf16::panel_range(&a, m, w, p0, p1, y)
-                });
-            }
-        }
-    }
 }
 
 /// Runs `range` over runs of panels in parallel, each writing its columns of every row of `y`,

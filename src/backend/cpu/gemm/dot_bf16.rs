@@ -227,9 +227,11 @@ mod x86 {
             }
         }
         for s in 0..t.ic {
-            let mut w: [__m512bh; P] = [std::mem::transmute(_mm512_setzero_si512()); P];
+            let mut w: [__m512bh; P] = [std::mem::transmute::<__m512i, __m512bh>(_mm512_setzero_si512()); P];
             for p in 0..P {
-                w[p] = std::mem::transmute(_mm512_loadu_si512(t.w.add(p * t.stride + s * NR).cast()));
+                w[p] = std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                    t.w.add(p * t.stride + s * NR).cast(),
+                ));
             }
             for i in 0..R {
                 let a: __m512bh = std::mem::transmute(_mm512_set1_epi32(*t.x.add(i * t.ldx + s) as i32));
