@@ -98,9 +98,13 @@ pub enum Error {
     #[error("invalid request: {0}")]
     InvalidRequest(String),
 
-    /// An option asks for an instruction set this CPU lacks (`--cpu-bf16-dot`).
-    #[error(transparent)]
-    Bf16DotUnavailable(#[from] crate::backend::cpu::gemm::Bf16DotUnavailable),
+    /// An option asks for an instruction set this CPU lacks (`--cpu-bf16-dot` without AVX512-BF16).
+    #[error("{option} needs {feature} ({flag} in /proc/cpuinfo), which this CPU lacks")]
+    CpuFeatureMissing {
+        option: &'static str,
+        feature: &'static str,
+        flag: &'static str,
+    },
 }
 
 /// Result alias used throughout the library.

@@ -8,14 +8,19 @@ use std::sync::OnceLock;
 #[cfg(target_arch = "x86_64")]
 use super::{amx, by_panels, dot_bf16};
 use super::{Matrix, RowMajor};
+use crate::{Error, Result};
 
 /// Whether calls on bf16 weights go through AVX512-BF16 (see [`set_bf16_dot`]).
 pub(super) static BF16_DOT: AtomicBool = AtomicBool::new(false);
 
-/// `--cpu-bf16-dot` on a CPU without AVX512-BF16.
-#[derive(Debug, thiserror::Error)]
-#[error("--cpu-bf16-dot needs AVX512-BF16 (avx512_bf16 in /proc/cpuinfo), which this CPU lacks")]
-pub struct Bf16DotUnavailable;
+/// The error of `--cpu-bf16-dot` on a CPU without AVX512-BF16.
+fn bf16_dot_unavailable() -> Error {
+    Error::CpuFeatureMissing {
+        option: "--cpu-bf16-dot",
+        feature: "AVX512-BF16",
+        flag: "avx512_bf16",
+    }
+}
 
 /// Routes every [`gemm`] on a bf16 weight (with an even `k`) through [`gemm_bf16_dot`]: the
 /// activations rounded to bf16 and multiplied with `VDPBF16PS`, twice the multiply-adds per cycle,
@@ -24,10 +29,10 @@ pub struct Bf16DotUnavailable;
 /// so every call switches together: a row still has the same bits alone or in a batch.
 ///
 /// # Errors
-/// [`Bf16DotUnavailable`] when `on` and the CPU lacks AVX512-BF16 (the setting is left off).
-pub fn set_bf16_dot(on: bool) -> Result<(), Bf16DotUnavailable> {
+/// [`Error::CpuFeatureMissing`] when `on` and the CPU lacks AVX512-BF16 (the setting is left off).
+pub fn set_bf16_dot(on: bool) -> Result<()> {
     if on && !bf16_dot_available() {
-        return Err(Bf16DotUnavailable);
+        return Err(bf16_dot_unavailable());
     }
     BF16_DOT.store(on, Ordering::Relaxed);
     Ok(())
@@ -95,7 +100,7 @@ pub fn takes_bf16_dot(w: &Matrix<'_>) -> bool {
 /// # Panics
 /// When the CPU lacks AVX512-BF16 or `w` is not [`takes_bf16_dot`].
 pub fn gemm_bf16_dot(x: &[f32], m: usize, w: &Matrix<'_>, bias: Option<&[f32]>, y: &mut [f32]) {
-    let kernel = Bf16Kernel::detect().unwrap_or_else(|| panic!("{Bf16DotUnavailable}"));
+    let kernel = Bf16Kernel::detect().unwrap_or_else(|| panic!("{}", bf16_dot_unavailable()));
     gemm_bf16_dot_with(kernel, x, m, w, bias, y)
 }
 
