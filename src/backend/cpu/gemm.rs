@@ -40,6 +40,8 @@ mod bf16;
 #[cfg(target_arch = "x86_64")]
 mod dot_bf16;
 mod pack;
+#[cfg(target_arch = "x86_64")]
+pub(super) use pack::transpose16;
 
 use bf16::BF16_DOT;
 pub use bf16::{

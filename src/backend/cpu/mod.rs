@@ -5,6 +5,7 @@
 //! makes prefix reuse and chunked prefill exact on CPU. Work is spread over threads with rayon, by
 //! output blocks, which does not change any row's order of operations.
 
+mod attention;
 pub mod gemm;
 mod ops;
 /// The index of the first maximum of a row over its non-NaN entries (numpy's `nanargmax`; 0 when
@@ -402,7 +403,7 @@ impl Backend for CpuBackend {
     ) -> Result<CpuTensor> {
         let _op = profile::start("paged_attention");
         check::paged_attention((q.rows, q.cols), (k.rows, k.cols), (v.rows, v.cols), s, seqs)?;
-        Ok(ops::paged_attention(q, k, v, s, seqs))
+        Ok(attention::paged_attention(gemm::Isa::detect(), q, k, v, s, seqs))
     }
 
     fn layer_norm(&self, x: &CpuTensor, weight: &CpuWeight, bias: &CpuWeight, eps: f32) -> Result<CpuTensor> {
@@ -451,7 +452,14 @@ impl Backend for CpuBackend {
             heads,
             cu_seqlens,
         )?;
-        Ok(ops::attention_segments(q, k, v, heads, cu_seqlens))
+        Ok(attention::attention_segments(
+            gemm::Isa::detect(),
+            q,
+            k,
+            v,
+            heads,
+            cu_seqlens,
+        ))
     }
 
     fn reshape(&self, x: CpuTensor, rows: usize, cols: usize) -> Result<CpuTensor> {

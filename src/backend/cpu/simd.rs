@@ -64,65 +64,6 @@ pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
     dot_scalar(&a[..n], &b[..n])
 }
 
-/// `out[r][c] = dot(q[r], k[c])` for 4 rows and 4 keys (all of one length), each exactly [`dot`]:
-/// the 16 sums run side by side, and their pairwise combinations are done 16 at a time (the same
-/// additions, lanes moved between registers).
-#[inline(always)]
-pub(super) fn dot_4x4(q: [&[f32]; 4], k: [&[f32]; 4]) -> [[f32; 4]; 4] {
-    let n = q[0].len();
-    debug_assert!(q.iter().chain(&k).all(|r| r.len() == n));
-    #[cfg(target_arch = "x86_64")]
-    {
-        if q.iter().chain(&k).all(|r| r.len() >= n) && std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512F; every slice holds at least `n` elements.
-            return unsafe { x86::dot_4x4_avx512(q.map(<[f32]>::as_ptr), k.map(<[f32]>::as_ptr), n) };
-        }
-    }
-    q.map(|qr| k.map(|kc| dot(&qr[..n], &kc[..n])))
-}
-
-/// `o[r] += p[r·ldp + j] · v_j` elementwise for every key `j < visible[r]`, in key order, for each row
-/// `r` of `o` (rows of `d`); `v_j` is `d` floats at `v[keys[j] · ldv + col..]`. Each step is a
-/// rounded product, then a rounded sum, as `*o += p * v` — whatever the width of the registers.
-///
-/// # Panics
-/// When a key's row does not fit in `v`.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn pv_accumulate(
-    o: &mut [f32],
-    d: usize,
-    p: &[f32],
-    ldp: usize,
-    visible: &[usize],
-    v: &[f32],
-    ldv: usize,
-    keys: &[usize],
-    col: usize,
-) {
-    let n = visible.iter().copied().max().unwrap_or(0);
-    assert!(
-        keys[..n].iter().all(|&k| k * ldv + col + d <= v.len()),
-        "key rows out of range"
-    );
-    assert!(o.len() >= visible.len() * d && p.len() >= (visible.len().max(1) - 1) * ldp + n);
-    #[cfg(target_arch = "x86_64")]
-    {
-        if d.is_multiple_of(16) && d <= 128 && std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512F; the bounds were checked above.
-            unsafe { x86::pv_avx512(o, d, p, ldp, visible, v.as_ptr(), ldv, keys, col) };
-            return;
-        }
-    }
-    for (r, &vis) in visible.iter().enumerate() {
-        let orow = &mut o[r * d..(r + 1) * d];
-        for (j, &key) in keys[..vis].iter().enumerate() {
-            let pj = p[r * ldp + j];
-            let vj = &v[key * ldv + col..key * ldv + col + d];
-            orow.iter_mut().zip(vj).for_each(|(o, v)| *o += pj * v);
-        }
-    }
-}
-
 /// [`dot`]'s definition, one lane at a time.
 fn dot_scalar(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; LANES];
@@ -184,77 +125,6 @@ mod x86 {
         tree16(acc)
     }
 
-    /// # Safety
-    /// AVX-512F; every `q[r]` and `k[c]` point to `n` floats.
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn dot_4x4_avx512(q: [*const f32; 4], k: [*const f32; 4], n: usize) -> [[f32; 4]; 4] {
-        // acc[4r + c]: lane l sums q[r][i]·k[c][i] over i ≡ l (mod 16), in order.
-        let mut acc = [_mm512_setzero_ps(); 16];
-        let full = n / 16 * 16;
-        let mut i = 0;
-        while i < full {
-            let kv = k.map(|p| _mm512_loadu_ps(p.add(i)));
-            for r in 0..4 {
-                let qv = _mm512_loadu_ps(q[r].add(i));
-                for c in 0..4 {
-                    acc[4 * r + c] = _mm512_add_ps(acc[4 * r + c], _mm512_mul_ps(qv, kv[c]));
-                }
-            }
-            i += 16;
-        }
-        if full < n {
-            let m: __mmask16 = (1u32 << (n - full)) as u16 - 1;
-            let kv = k.map(|p| _mm512_maskz_loadu_ps(m, p.add(full)));
-            for r in 0..4 {
-                let qv = _mm512_maskz_loadu_ps(m, q[r].add(full));
-                for c in 0..4 {
-                    let prod = _mm512_mul_ps(qv, kv[c]);
-                    acc[4 * r + c] = _mm512_mask_add_ps(acc[4 * r + c], m, acc[4 * r + c], prod);
-                }
-            }
-        }
-        let sums = tree16x16(acc);
-        let mut out = [0f32; 16];
-        _mm512_storeu_ps(out.as_mut_ptr(), sums);
-        [0, 1, 2, 3].map(|r| [0, 1, 2, 3].map(|c| out[4 * r + c]))
-    }
-
-    /// Lane `d` of the result is [`tree16`] of `acc[d]`: the same additions (`l += l + 8`, `+4`,
-    /// `+2`, `+1`) done for 16 accumulators at once, pairing lanes of two registers with permutes.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn tree16x16(acc: [__m512; 16]) -> __m512 {
-        // Lane index vectors: `pick(f)` takes lane f(i) of the pair (a, b) into lane i (16 + j is b[j]).
-        let pick = |f: fn(i32) -> i32| {
-            let idx: [i32; 16] = std::array::from_fn(|i| f(i as i32));
-            _mm512_loadu_si512(idx.as_ptr().cast())
-        };
-        let step = |a: __m512, b: __m512, lo: __m512i, hi: __m512i| {
-            _mm512_add_ps(_mm512_permutex2var_ps(a, lo, b), _mm512_permutex2var_ps(a, hi, b))
-        };
-        // Width 8: lanes 0..8 of each pair's halves.
-        let (lo, hi) = (pick(|i| (i / 8) * 16 + i % 8), pick(|i| (i / 8) * 16 + i % 8 + 8));
-        let s: [__m512; 8] = std::array::from_fn(|m| step(acc[2 * m], acc[2 * m + 1], lo, hi));
-        // Width 4: groups of 4 lanes at 0 and 8 of each register.
-        let (lo, hi) = (
-            pick(|i| (i / 8) * 16 + (i % 8 / 4) * 8 + i % 4),
-            pick(|i| (i / 8) * 16 + (i % 8 / 4) * 8 + i % 4 + 4),
-        );
-        let t: [__m512; 4] = std::array::from_fn(|m| step(s[2 * m], s[2 * m + 1], lo, hi));
-        // Width 2: pairs of lanes at 0 of each group of 4.
-        let (lo, hi) = (
-            pick(|i| (i / 8) * 16 + (i % 8 / 2) * 4 + i % 2),
-            pick(|i| (i / 8) * 16 + (i % 8 / 2) * 4 + i % 2 + 2),
-        );
-        let u: [__m512; 2] = std::array::from_fn(|m| step(t[2 * m], t[2 * m + 1], lo, hi));
-        // Width 1: even and odd lanes.
-        let (lo, hi) = (
-            pick(|i| (i / 8) * 16 + (i % 8) * 2),
-            pick(|i| (i / 8) * 16 + (i % 8) * 2 + 1),
-        );
-        step(u[0], u[1], lo, hi)
-    }
-
     /// The pairwise combination of 16 lanes: `l += l + 8`, `+4`, `+2`, `+1`.
     #[inline]
     #[target_feature(enable = "avx512f")]
@@ -264,92 +134,6 @@ mod x86 {
         let v8 = _mm256_add_ps(lo, hi);
         let v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps(v8, 1));
         tree4(v4)
-    }
-
-    /// # Safety
-    /// AVX-512F; `d` is a multiple of 16 up to 128; the caller checked every bound.
-    #[target_feature(enable = "avx512f")]
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn pv_avx512(
-        o: &mut [f32],
-        d: usize,
-        p: &[f32],
-        ldp: usize,
-        visible: &[usize],
-        v: *const f32,
-        ldv: usize,
-        keys: &[usize],
-        col: usize,
-    ) {
-        macro_rules! rows {
-            ($c:literal) => {{
-                let mut r = 0;
-                while r + 1 < visible.len() {
-                    pv_rows::<$c, 2>(o, p, ldp, &visible[r..r + 2], v, ldv, keys, col, r);
-                    r += 2;
-                }
-                if r < visible.len() {
-                    pv_rows::<$c, 1>(o, p, ldp, &visible[r..r + 1], v, ldv, keys, col, r);
-                }
-            }};
-        }
-        match d / 16 {
-            1 => rows!(1),
-            2 => rows!(2),
-            3 => rows!(3),
-            4 => rows!(4),
-            5 => rows!(5),
-            6 => rows!(6),
-            7 => rows!(7),
-            _ => rows!(8),
-        }
-    }
-
-    /// `R` rows of `C` 16-float chunks, their accumulators held in registers over the keys.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn pv_rows<const C: usize, const R: usize>(
-        o: &mut [f32],
-        p: &[f32],
-        ldp: usize,
-        visible: &[usize],
-        v: *const f32,
-        ldv: usize,
-        keys: &[usize],
-        col: usize,
-        r0: usize,
-    ) {
-        let d = C * 16;
-        let mut acc = [[_mm512_setzero_ps(); C]; R];
-        for r in 0..R {
-            for c in 0..C {
-                acc[r][c] = _mm512_loadu_ps(o.as_ptr().add((r0 + r) * d + 16 * c));
-            }
-        }
-        let common = visible.iter().copied().min().unwrap_or(0);
-        let most = visible.iter().copied().max().unwrap_or(0);
-        for (j, &key) in keys[..most].iter().enumerate() {
-            let vj = v.add(key * ldv + col);
-            let mut w = [_mm512_setzero_ps(); C];
-            for c in 0..C {
-                w[c] = _mm512_loadu_ps(vj.add(16 * c));
-            }
-            for r in 0..R {
-                if j >= common && j >= visible[r] {
-                    continue;
-                }
-                let pj = _mm512_set1_ps(*p.get_unchecked((r0 + r) * ldp + j));
-                for c in 0..C {
-                    acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(pj, w[c]));
-                }
-            }
-        }
-        for r in 0..R {
-            for c in 0..C {
-                _mm512_storeu_ps(o.as_mut_ptr().add((r0 + r) * d + 16 * c), acc[r][c]);
-            }
-        }
     }
 
     /// # Safety
@@ -416,7 +200,11 @@ pub(super) fn exp(x: f32) -> f32 {
     p = p * r + 1.666_666_5e-1;
     p = p * r + 0.5; // Cephes: 5.0000001201e-1, which is 0.5 in f32
     let y = p * z + r + 1.0;
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    // 2^n from n's bits: n is an integer in [-126, 127] (x clamped), so n + 1.5·2²³ is exact and
+    // its low mantissa bits are n in two's complement. Bitwise `(n as i32 + 127) << 23`, but
+    // without `as`'s saturation, which does not vectorise (a NaN's bits go to the NaN branch).
+    let magic = (n + 12_582_912.0).to_bits().wrapping_sub(0x4B40_0000);
+    let scale = f32::from_bits(magic.wrapping_add(127) << 23);
     let e = y * scale;
     if x < -87.3 {
         0.0
@@ -431,7 +219,7 @@ pub(super) fn exp(x: f32) -> f32 {
 
 #[cfg(test)]
 mod tests {
-    use super::{dot, dot_4x4, dot_scalar, exp};
+    use super::{dot, dot_scalar, exp};
 
     #[test]
     fn dot_is_its_definition_on_every_path_and_length() {
@@ -441,16 +229,6 @@ mod tests {
             let b: Vec<f32> = (0..n).map(|_| rng.f32() * 2.0 - 1.0).collect();
             let want = dot_scalar(&a, &b).to_bits();
             assert_eq!(dot(&a, &b).to_bits(), want, "n = {n}");
-            let scaled = |x: &[f32], s: f32| x.iter().map(|v| v * s).collect::<Vec<f32>>();
-            let q: Vec<Vec<f32>> = (0..4).map(|r| scaled(&a, r as f32 + 0.5)).collect();
-            let k: Vec<Vec<f32>> = (0..4).map(|c| scaled(&b, 1.25 - c as f32)).collect();
-            let grid = dot_4x4([&q[0], &q[1], &q[2], &q[3]], [&k[0], &k[1], &k[2], &k[3]]);
-            for (r, row) in grid.iter().enumerate() {
-                for (c, got) in row.iter().enumerate() {
-                    let want = dot_scalar(&q[r], &k[c]).to_bits();
-                    assert_eq!(got.to_bits(), want, "dot_4x4 [{r}][{c}], n = {n}");
-                }
-            }
             #[cfg(target_arch = "x86_64")]
             {
                 if std::arch::is_x86_feature_detected!("avx512f") {
@@ -468,31 +246,6 @@ mod tests {
     }
 
     #[test]
-    fn pv_accumulate_is_the_scalar_loop_bitwise() {
-        let mut rng = fastrand::Rng::with_seed(4);
-        for d in [16, 64, 80, 128, 72] {
-            let (rows, keys_n, ldv) = (5, 37, d + 24);
-            let v: Vec<f32> = (0..keys_n * ldv).map(|_| rng.f32() - 0.5).collect();
-            let keys: Vec<usize> = (0..keys_n).rev().collect();
-            let p: Vec<f32> = (0..rows * keys_n).map(|_| rng.f32()).collect();
-            let visible = [3, 37, 20, 21, 1];
-            let start: Vec<f32> = (0..rows * d).map(|_| rng.f32()).collect();
-            let mut fast = start.clone();
-            super::pv_accumulate(&mut fast, d, &p, keys_n, &visible, &v, ldv, &keys, 7);
-            let mut want = start.clone();
-            for (r, &vis) in visible.iter().enumerate() {
-                for j in 0..vis {
-                    for c in 0..d {
-                        want[r * d + c] += p[r * keys_n + j] * v[keys[j] * ldv + 7 + c];
-                    }
-                }
-            }
-            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&fast), bits(&want), "d = {d}");
-        }
-    }
-
-    #[test]
     fn exp_is_within_an_ulp_or_two_and_handles_the_edges() {
         let mut worst = 0f64;
         for i in -870_000..=880_000 {
@@ -506,6 +259,18 @@ mod tests {
         assert_eq!(exp(100.0), f32::INFINITY);
         assert!(exp(f32::NAN).is_nan());
         assert_eq!(exp(0.0), 1.0);
+    }
+
+    #[test]
+    fn exp_scale_bits_are_the_integer_conversion() {
+        // Every n the clamped input can give: the bit trick in `exp` is `(n as i32 + 127) << 23`.
+        for n in -126..=127 {
+            let magic = (n as f32 + 12_582_912.0).to_bits().wrapping_sub(0x4B40_0000);
+            assert_eq!(magic.wrapping_add(127) << 23, ((n + 127) as u32) << 23, "n = {n}");
+        }
+        // Both ends of the clamp reach those n and no further.
+        let n = |x: f32| (x.clamp(-87.3, 88.0) * std::f32::consts::LOG2_E + 0.5).floor();
+        assert_eq!((n(f32::NEG_INFINITY), n(f32::INFINITY)), (-126.0, 127.0));
     }
 
     multiversion! {

@@ -97,6 +97,10 @@ fn scalar(w: &Matrix<'_>, c0: usize, rows: usize, (k0, kc): (usize, usize), pane
     }
 }
 
+/// The 16 × 16 register transpose, for attention's scores on the pool (`attention.rs`).
+#[cfg(target_arch = "x86_64")]
+pub(in crate::backend::cpu) use x86::transpose16;
+
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::needless_range_loop)] // register tiles read best as indexed loops
 mod x86 {
@@ -196,9 +200,12 @@ mod x86 {
     }
 
     /// `c[i]` lane `j` = `r[j]` lane `i`.
+    ///
+    /// # Safety
+    /// AVX-512F.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
+    pub(in crate::backend::cpu) unsafe fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
         // Pairs of rows interleaved within each 128-bit lane...
         let mut t = [_mm512_setzero_ps(); 16];
         for i in 0..8 {
