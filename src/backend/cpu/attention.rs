@@ -158,17 +158,13 @@ fn attend_all(
     runs: &[KvRun],
     tasks: &[AttnTask],
 ) -> CpuTensor {
-    let gather = |x: &CpuTensor, r: &KvRun| {
-        let mut out = Vec::with_capacity(r.slots.len() * d);
-        for &slot in r.slots.iter() {
-            let at = slot * x.cols + r.col;
-            out.extend_from_slice(&x.data[at..at + d]);
-        }
-        out
-    };
     let kv: Vec<Option<(Vec<f32>, Vec<f32>)>> = runs
         .par_iter()
-        .map(|r| r.gather.then(|| (gather(k, r), gather(v, r))))
+        .map(|r| {
+            let n = r.slots.len();
+            r.gather
+                .then(|| (r.in_pool(k).gathered(n, d), r.in_pool(v).gathered(n, d)))
+        })
         .collect();
     let scale = 1.0 / (d as f32).sqrt();
     let parts: Vec<Vec<f32>> = tasks
@@ -314,7 +310,7 @@ fn scores(isa: Isa, (qs, rows): (&[f32], usize), ks: Rows<'_>, (n, d): (usize, u
             unsafe { x86::scores_pool(qs, rows, d, (x, &slots[..n], ld, col), scores) };
         }
         Rows::Pool { .. } => {
-            let ks: Vec<f32> = (0..n).flat_map(|j| ks.row(j, d).iter().copied()).collect();
+            let ks = ks.gathered(n, d);
             gemm_with(
                 isa,
                 qs,
@@ -349,6 +345,15 @@ impl Rows<'_> {
             Rows::Gathered(x) => &x[j * d..(j + 1) * d],
             Rows::Pool { x, slots, ld, col } => &x[slots[j] * ld + col..][..d],
         }
+    }
+
+    /// Rows `0..n` copied into one contiguous `[n, d]` matrix.
+    fn gathered(&self, n: usize, d: usize) -> Vec<f32> {
+        let mut out = Vec::with_capacity(n * d);
+        for j in 0..n {
+            out.extend_from_slice(self.row(j, d));
+        }
+        out
     }
 }
 
