@@ -59,6 +59,10 @@ def parse():
                          "matmuls, the peer of recall's --cpu-bf16-dot)")
     ap.add_argument("--recall-arg", action="append", default=[],
                     help="extra argument for recall generate, e.g. --recall-arg=--cpu-bf16-dot; repeatable")
+    ap.add_argument("--warm-recall", action="store_true",
+                    help="run each timed recall process right after an identical untimed one: on VMs that "
+                         "hand freed guest memory back to the host (free page reporting), a process started "
+                         "after a pause pays host faults on every fresh page; HF's process stays warm anyway")
     ap.add_argument("--json", default=None, help="also write the report here")
     return ap.parse_args()
 
@@ -147,10 +151,15 @@ def torch_matmul_gflops():
     return 2 * 2048 ** 3 / ((time.perf_counter() - t) / n) / 1e9
 
 
-def run_recall(binary, model_dir, messages_path, new_tokens, extra=()):
-    out = subprocess.run([binary, "generate", "--backend", "cpu", "--json", "--profile", "--model", model_dir,
-                          "--messages", messages_path, "--max-tokens", str(new_tokens), *extra],
-                         capture_output=True, text=True, env={**os.environ, "RUST_LOG": "warn"})
+def run_recall(binary, model_dir, messages_path, new_tokens, extra=(), warm=False):
+    """One `recall generate` process, timed inside; with `warm`, an identical untimed run goes right
+    before it (see --warm-recall)."""
+    cmd = [binary, "generate", "--backend", "cpu", "--json", "--profile", "--model", model_dir,
+           "--messages", messages_path, "--max-tokens", str(new_tokens), *extra]
+    env = {**os.environ, "RUST_LOG": "warn"}
+    if warm:
+        subprocess.run(cmd, capture_output=True, env=env)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         sys.exit(f"recall failed:\n{out.stderr}")
     r = json.loads(out.stdout)
@@ -190,7 +199,8 @@ def main():
             hf_side.run(1, images)  # warm-up of the tower's first call
         recs, hfs = [], []
         for _ in range(args.repeats):
-            recs.append(run_recall(args.recall, args.model, path, args.new_tokens, args.recall_arg))
+            recs.append(run_recall(args.recall, args.model, path, args.new_tokens, args.recall_arg,
+                                   warm=args.warm_recall))
             hfs.append(hf_side.run(args.new_tokens, images))
         rec, hf = dict(recs[0]), dict(hfs[0])
         for key in ("vision_seconds", "prefill_seconds", "decode_ms_per_token"):
@@ -215,6 +225,7 @@ def main():
         "model": args.model,
         "hf_dtype": args.hf_dtype,
         "recall_args": args.recall_arg,
+        "warm_recall": args.warm_recall,
         "images": args.images,
         "new_tokens": args.new_tokens,
         "recall": {k: v for k, v in rec.items() if k != "prefill_ops"},
@@ -230,7 +241,7 @@ def main():
     }
     print(f"prompt tokens: recall {rec['prompt_tokens']}, HF {hf['prompt_tokens']}; {args.images} screenshot(s); "
           f"{rec['backend']} {' '.join(args.recall_arg)} vs torch {args.hf_dtype} with {hf['threads']} threads; "
-          f"medians of {args.repeats} interleaved runs")
+          f"medians of {args.repeats} interleaved runs{'; recall warm' if args.warm_recall else ''}")
     print("| | recall | HF transformers | recall / HF |")
     print("|---|---|---|---|")
     print(f"| prefill (s) | {rec['prefill_seconds']:.3f} | {hf['prefill_seconds']:.3f} | {report['prefill_ratio']:.2f} |")
