@@ -468,13 +468,9 @@ fn block_pass<'w>(
             for r0 in (m0..m1).step_by(MR) {
                 let mr = MR.min(m1 - r0);
                 let rows = |i: usize| (r0 + i) * n + c0..(r0 + i) * n + c0 + cols;
-                // Carry the partial sums of the earlier k blocks (0 for the first).
-                for (i, t) in tile.iter_mut().enumerate().take(mr) {
-                    t.fill(0.0);
-                    if block.carry {
-                        t[..cols].copy_from_slice(&y[rows(i)]);
-                    }
-                }
+                // The next tile's rows of `y` (read for the carry, then written) miss the caches
+                // (`y` is far larger than L2): ask for them while this tile computes.
+                prefetch_rows(y, (r0 + MR..(r0 + 2 * MR).min(m1)).map(|r| r * n + c0), cols);
                 let t = Tile {
                     x: &block.x[r0 * block.k..],
                     ldx: block.k,
@@ -483,6 +479,24 @@ fn block_pass<'w>(
                     mr,
                     np,
                 };
+                if isa == Isa::Avx512 && cols == np * NR {
+                    // Whole panels: the AVX-512 kernel carries its sums in `y` itself.
+                    let out = Rows {
+                        y: &mut *y,
+                        at: r0 * n + c0,
+                        ld: n,
+                        carry: block.carry,
+                    };
+                    kernel_rows(&t, panels(p), stride, out);
+                    continue;
+                }
+                // Carry the partial sums of the earlier k blocks (0 for the first).
+                for (i, t) in tile.iter_mut().enumerate().take(mr) {
+                    t.fill(0.0);
+                    if block.carry {
+                        t[..cols].copy_from_slice(&y[rows(i)]);
+                    }
+                }
                 kernel(isa, &t, panels(p), stride, tile);
                 for (i, t) in tile.iter().enumerate().take(mr) {
                     y[rows(i)].copy_from_slice(&t[..cols]);
@@ -491,6 +505,28 @@ fn block_pass<'w>(
             p += np;
         }
     }
+}
+
+/// Hints the cache lines of `len` elements of `y` from each start in `starts` (x86-64: nothing
+/// elsewhere, and nothing past `y`'s end).
+#[inline]
+fn prefetch_rows(y: &[f32], starts: impl Iterator<Item = usize>, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    for s in starts {
+        let end = (s + len).min(y.len());
+        for i in (s..end).step_by(16).chain(std::iter::once(end.saturating_sub(1))) {
+            if i < y.len() {
+                // SAFETY: a prefetch is a hint; the address is inside `y`.
+                unsafe {
+                    std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                        y.as_ptr().add(i).cast(),
+                    )
+                };
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (y, starts, len);
 }
 
 /// One micro-kernel call: rows `0..mr` of `x` (row stride `ldx`), steps `k0..k0 + kc`, `np`
@@ -503,6 +539,38 @@ struct Tile<'a> {
     kc: usize,
     mr: usize,
     np: usize,
+}
+
+/// A tile's rows of `y` itself, for a kernel that reads and writes its sums there: rows `0..mr`
+/// from element `at`, `ld` apart, `np` whole panels wide; `carry` reads the earlier blocks' sums
+/// (else the chains start from 0).
+struct Rows<'a> {
+    y: &'a mut [f32],
+    at: usize,
+    ld: usize,
+    carry: bool,
+}
+
+/// [`kernel`] on AVX-512 with the sums in `y` (no copy through a [`TileBuf`]; the same chains, so
+/// the same bits).
+fn kernel_rows(t: &Tile<'_>, w: Weights<'_>, k: usize, out: Rows<'_>) {
+    assert!(
+        w.len() >= (t.np - 1) * k * NR + (t.k0 + t.kc) * NR,
+        "panels out of range"
+    );
+    assert!(t.x.len() >= (t.mr - 1) * t.ldx + t.k0 + t.kc, "rows out of range");
+    assert!(
+        out.y.len() >= out.at + (t.mr - 1) * out.ld + t.np * NR,
+        "rows of y out of range"
+    );
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: only `block_pass` calls this, on `Isa::Avx512`, which `gemm_with` checked the CPU
+    // has; the bounds are checked above.
+    unsafe {
+        x86::avx512_rows(t, w, k, out.y.as_mut_ptr().add(out.at), out.ld, out.carry)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("AVX-512 on {:?}", (t.mr, out.ld))
 }
 
 /// The panels of one call, from its first panel on (panels `k · 16` elements apart).
@@ -613,7 +681,7 @@ mod x86 {
 
     use std::arch::x86_64::*;
 
-    use super::{Tile, TileBuf, Weights, MR, NR};
+    use super::{Tile, TileBuf, Weights, MR, NP, NR};
 
     /// Storage kinds (`KIND`): f32, bf16, and anything else f16.
     const F32: u8 = 0;
@@ -626,10 +694,20 @@ mod x86 {
     /// The CPU must support AVX-512F; the caller checked the bounds of `t` and `w`.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn avx512(t: &Tile<'_>, w: Weights<'_>, k: usize, tile: &mut TileBuf) {
+        avx512_rows(t, w, k, tile.as_mut_ptr().cast(), NP * NR, true)
+    }
+
+    /// [`avx512`] with the sums at `out` (rows `ld` apart), read first when `carry`.
+    ///
+    /// # Safety
+    /// As [`avx512`]; `out` holds `t.mr` rows of `t.np` panels, `ld` apart.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn avx512_rows(t: &Tile<'_>, w: Weights<'_>, k: usize, out: *mut f32, ld: usize, carry: bool) {
+        let o = (out, ld, carry);
         match w {
-            Weights::F32(d) => dispatch_tile!(tile512, 0, t, (t, d.as_ptr().cast(), k * NR, tile)),
-            Weights::Bf16(d) => dispatch_tile!(tile512, 1, t, (t, d.as_ptr().cast(), k * NR, tile)),
-            Weights::F16(d) => dispatch_tile!(tile512, 2, t, (t, d.as_ptr().cast(), k * NR, tile)),
+            Weights::F32(d) => dispatch_tile!(tile512, 0, t, (t, d.as_ptr().cast(), k * NR, o)),
+            Weights::Bf16(d) => dispatch_tile!(tile512, 1, t, (t, d.as_ptr().cast(), k * NR, o)),
+            Weights::F16(d) => dispatch_tile!(tile512, 2, t, (t, d.as_ptr().cast(), k * NR, o)),
         }
     }
 
@@ -653,12 +731,14 @@ mod x86 {
         t: &Tile<'_>,
         base: *const u8,
         stride: usize,
-        tile: &mut TileBuf,
+        (out, ld, carry): (*mut f32, usize, bool),
     ) {
         let mut acc = [[_mm512_setzero_ps(); P]; R];
-        for i in 0..R {
-            for p in 0..P {
-                acc[i][p] = _mm512_loadu_ps(tile[i].as_ptr().add(p * NR));
+        if carry {
+            for i in 0..R {
+                for p in 0..P {
+                    acc[i][p] = _mm512_loadu_ps(out.add(i * ld + p * NR));
+                }
             }
         }
         let x = t.x.as_ptr();
@@ -681,7 +761,7 @@ mod x86 {
         }
         for i in 0..R {
             for p in 0..P {
-                _mm512_storeu_ps(tile[i].as_mut_ptr().add(p * NR), acc[i][p]);
+                _mm512_storeu_ps(out.add(i * ld + p * NR), acc[i][p]);
             }
         }
     }
