@@ -279,6 +279,12 @@ mod x86 {
         }
     }
 
+    /// Bytes ahead in each weight row that the fused decode chains prefetch. Their 8 rows stream
+    /// in lockstep, 32 bytes (f32) or 16 (16-bit) per step, each row a short stream the hardware
+    /// prefetcher keeps picking up anew: 256 made decode 4–6% faster on f32 weights and 10% on
+    /// bf16 on an Intel Xeon (128: none; 512: 4–6% and 4%; 4,096: slower).
+    const PFD: usize = 256;
+
     /// [`super::fused_rows`] for one whole panel `p`, in 8-column halves: 8 rows of the weight
     /// streamed at a time, 8 × 8 transposes (cheaper per element than 16 × 16 on 512-bit
     /// registers, and the same on both x86 paths).
@@ -350,6 +356,7 @@ mod x86 {
             let mut r = [_mm256_setzero_ps(); 8];
             for j in 0..8 {
                 r[j] = load256::<KIND>(at.add(j * ld));
+                _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(j * ld + PFD).cast());
             }
             let c = transpose8(r);
             for i in 0..8 {
