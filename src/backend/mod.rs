@@ -96,6 +96,16 @@ pub trait Backend: Send + Sync {
     fn add(&self, a: &Self::Tensor, b: &Self::Tensor) -> Result<Self::Tensor>;
     /// SwiGLU: `silu(gate) · up`.
     fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor>;
+    /// [`add`](Backend::add) given `a` to keep: a backend may write the sum over it instead of a
+    /// new buffer (the same bits). A prefill's activations are tens of megabytes each, and every
+    /// new buffer is fresh memory the first layer must fault in.
+    fn add_owned(&self, a: Self::Tensor, b: &Self::Tensor) -> Result<Self::Tensor> {
+        self.add(&a, b)
+    }
+    /// [`silu_mul`](Backend::silu_mul) given `gate` to keep, as [`add_owned`](Backend::add_owned).
+    fn silu_mul_owned(&self, gate: Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor> {
+        self.silu_mul(&gate, up)
+    }
     /// Rotary embedding of `x: [n, heads · head_dim]` with per-row tables `cos, sin: [n, head_dim]`
     /// (HF's `rotate_half` convention: the two halves of each head are the pair).
     fn rope(&self, x: &Self::Tensor, cos: &Self::Tensor, sin: &Self::Tensor) -> Result<Self::Tensor>;
@@ -125,6 +135,10 @@ pub trait Backend: Send + Sync {
     ) -> Result<Self::Tensor>;
     /// Elementwise GELU, `Tanh` (gelu_pytorch_tanh) or `Erf` (nn.GELU()).
     fn gelu(&self, x: &Self::Tensor, kind: Gelu) -> Result<Self::Tensor>;
+    /// [`gelu`](Backend::gelu) given `x` to keep, as [`add_owned`](Backend::add_owned).
+    fn gelu_owned(&self, x: Self::Tensor, kind: Gelu) -> Result<Self::Tensor> {
+        self.gelu(&x, kind)
+    }
     /// Non-causal attention within segments (varlen): rows `cu_seqlens[s]..cu_seqlens[s + 1]` attend
     /// to each other only. `q, k, v: [n, heads · head_dim]`.
     fn attention_segments(
@@ -185,6 +199,18 @@ pub trait Backend: Send + Sync {
         let sum = self.add(x, residual)?;
         let normed = self.rms_norm(&sum, weight, eps)?;
         Ok((sum, normed))
+    }
+
+    /// [`add_rms_norm`](Backend::add_rms_norm) given `x` to keep, as
+    /// [`add_owned`](Backend::add_owned): a backend may write the sum over it.
+    fn add_rms_norm_owned(
+        &self,
+        x: Self::Tensor,
+        residual: &Self::Tensor,
+        weight: &Self::Weight,
+        eps: f32,
+    ) -> Result<(Self::Tensor, Self::Tensor)> {
+        self.add_rms_norm(&x, residual, weight, eps)
     }
 
     /// The attention block's step between the projections and the attention itself, for `n` new rows:

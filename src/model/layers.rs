@@ -88,7 +88,7 @@ impl<B: Backend> GeluMlp<B> {
     }
 
     pub fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
-        let h = be.gelu(&self.fc1.forward(be, x)?, self.gelu)?;
+        let h = be.gelu_owned(self.fc1.forward(be, x)?, self.gelu)?;
         self.fc2.forward(be, &h)
     }
 }
@@ -111,7 +111,7 @@ impl<B: Backend> SwiGlu<B> {
     }
 
     pub fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
-        let g = be.silu_mul(&self.gate_proj.forward(be, x)?, &self.up_proj.forward(be, x)?)?;
+        let g = be.silu_mul_owned(self.gate_proj.forward(be, x)?, &self.up_proj.forward(be, x)?)?;
         self.down_proj.forward(be, &g)
     }
 }

@@ -129,8 +129,8 @@ impl<B: Backend> DecoderLayer<B> {
         let kv = (&mut pool.k[self.index], &mut pool.v[self.index]);
         let o = self.self_attn.forward(&h, kv, lora, ctx)?;
         let norm = &self.post_attention_layernorm;
-        let (x, h) = be.add_rms_norm(&x, &o, &norm.weight, norm.eps)?;
-        be.add(&x, &self.mlp.forward(be, &h)?)
+        let (x, h) = be.add_rms_norm_owned(x, &o, &norm.weight, norm.eps)?;
+        be.add_owned(x, &self.mlp.forward(be, &h)?)
     }
 }
 

@@ -43,9 +43,9 @@ impl<B: Backend> Block<B> {
     fn forward(&self, x: B::Tensor, ctx: &VisionCtx<'_, B>) -> Result<B::Tensor> {
         let be = ctx.be;
         let a = self.attn.forward(&self.norm1.forward(be, &x)?, ctx)?;
-        let x = be.add(&x, &a)?;
+        let x = be.add_owned(x, &a)?;
         let h = self.mlp.forward(be, &self.norm2.forward(be, &x)?)?;
-        be.add(&x, &h)
+        be.add_owned(x, &h)
     }
 }
 

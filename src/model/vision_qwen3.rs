@@ -46,9 +46,9 @@ impl<B: Backend> Block<B> {
     fn forward(&self, x: B::Tensor, ctx: &VisionCtx<'_, B>) -> Result<B::Tensor> {
         let be = ctx.be;
         let a = self.attn.forward(&self.norm1.forward(be, &x)?, ctx)?;
-        let x = be.add(&x, &a)?;
+        let x = be.add_owned(x, &a)?;
         let h = self.mlp.forward(be, &self.norm2.forward(be, &x)?)?;
-        be.add(&x, &h)
+        be.add_owned(x, &h)
     }
 }
 
@@ -130,7 +130,7 @@ impl<B: Backend> Qwen3VisionTower<B> {
         let positions: Vec<(usize, usize)> = grids.iter().flat_map(|&g| patch_positions(g, merge)).collect();
         let (indices, weights) = self.pos_interpolation(grids);
         let pos = be.weighted_embedding(&self.pos_embed, &indices, &weights, 4)?;
-        let mut x = be.add(&self.patch_embed.forward(be, pixels)?, &pos)?;
+        let mut x = be.add_owned(self.patch_embed.forward(be, pixels)?, &pos)?;
         let (cos, sin) = rotary_tables(&positions, cfg.head_dim(), cfg.rope_theta);
         let cos = be.upload(&cos, positions.len(), cfg.head_dim())?;
         let sin = be.upload(&sin, positions.len(), cfg.head_dim())?;

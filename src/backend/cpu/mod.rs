@@ -357,22 +357,41 @@ impl Backend for CpuBackend {
     }
 
     fn add(&self, a: &CpuTensor, b: &CpuTensor) -> Result<CpuTensor> {
+        self.add_owned(a.clone(), b)
+    }
+
+    fn add_owned(&self, mut a: CpuTensor, b: &CpuTensor) -> Result<CpuTensor> {
         let _op = profile::start("add");
         check::same("add", (a.rows, a.cols), (b.rows, b.cols))?;
-        let mut out = a.clone();
-        out.data.iter_mut().zip(&b.data).for_each(|(o, b)| *o += b);
-        Ok(out)
+        a.data.iter_mut().zip(&b.data).for_each(|(o, b)| *o += b);
+        Ok(a)
+    }
+
+    fn add_rms_norm_owned(
+        &self,
+        x: CpuTensor,
+        residual: &CpuTensor,
+        weight: &CpuWeight,
+        eps: f32,
+    ) -> Result<(CpuTensor, CpuTensor)> {
+        // The default's composition, with the sum written over `x`.
+        let sum = self.add_owned(x, residual)?;
+        let normed = self.rms_norm(&sum, weight, eps)?;
+        Ok((sum, normed))
     }
 
     fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> Result<CpuTensor> {
+        self.silu_mul_owned(gate.clone(), up)
+    }
+
+    fn silu_mul_owned(&self, mut gate: CpuTensor, up: &CpuTensor) -> Result<CpuTensor> {
         let _op = profile::start("silu_mul");
         check::same("silu_mul", (gate.rows, gate.cols), (up.rows, up.cols))?;
-        let mut out = gate.clone();
-        out.data
+        gate.data
             .par_chunks_mut(4096)
             .zip(up.data.par_chunks(4096))
             .for_each(|(g, u)| ops::silu_mul(g, u));
-        Ok(out)
+        Ok(gate)
     }
 
     fn rope(&self, x: &CpuTensor, cos: &CpuTensor, sin: &CpuTensor) -> Result<CpuTensor> {
@@ -427,13 +446,16 @@ impl Backend for CpuBackend {
     }
 
     fn gelu(&self, x: &CpuTensor, kind: Gelu) -> Result<CpuTensor> {
+        self.gelu_owned(x.clone(), kind)
+    }
+
+    fn gelu_owned(&self, mut x: CpuTensor, kind: Gelu) -> Result<CpuTensor> {
         let _op = profile::start("gelu");
-        let mut out = x.clone();
         match kind {
-            Gelu::Tanh => out.data.par_chunks_mut(4096).for_each(ops::gelu_tanh_all),
-            Gelu::Erf => out.data.par_iter_mut().for_each(|v| *v = ops::gelu_erf(*v)),
+            Gelu::Tanh => x.data.par_chunks_mut(4096).for_each(ops::gelu_tanh_all),
+            Gelu::Erf => x.data.par_iter_mut().for_each(|v| *v = ops::gelu_erf(*v)),
         }
-        Ok(out)
+        Ok(x)
     }
 
     fn attention_segments(
