@@ -109,6 +109,10 @@ pub trait Backend: Send + Sync {
     /// Rotary embedding of `x: [n, heads · head_dim]` with per-row tables `cos, sin: [n, head_dim]`
     /// (HF's `rotate_half` convention: the two halves of each head are the pair).
     fn rope(&self, x: &Self::Tensor, cos: &Self::Tensor, sin: &Self::Tensor) -> Result<Self::Tensor>;
+    /// [`rope`](Backend::rope) given `x` to keep, as [`add_owned`](Backend::add_owned).
+    fn rope_owned(&self, x: Self::Tensor, cos: &Self::Tensor, sin: &Self::Tensor) -> Result<Self::Tensor> {
+        self.rope(&x, cos, sin)
+    }
     /// Causal attention over a paged KV pool for a batch of sequences.
     ///
     /// `q: [Σ rows, q_heads · head_dim]` holds the new tokens of every sequence in `seqs`, in order;
@@ -233,7 +237,7 @@ pub trait Backend: Send + Sync {
         slots: &[usize],
     ) -> Result<Self::Tensor> {
         let rotate = |x: &Self::Tensor, norm: Option<(&Self::Weight, f32)>| match norm {
-            Some((w, eps)) => self.rope(&self.rms_norm(x, w, eps)?, cos, sin),
+            Some((w, eps)) => self.rope_owned(self.rms_norm(x, w, eps)?, cos, sin),
             None => self.rope(x, cos, sin),
         };
         let q = rotate(q, norms.map(|(qn, _, eps)| (qn, eps)))?;

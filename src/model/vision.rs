@@ -159,7 +159,7 @@ impl<B: Backend> VisionAttention<B> {
                     op: "split_cols".into(),
                     message: format!("qkv split into {} parts, not 3", parts.len()),
                 })?;
-        let (q, k) = (be.rope(&q, cos, sin)?, be.rope(&k, cos, sin)?);
+        let (q, k) = (be.rope_owned(q, cos, sin)?, be.rope_owned(k, cos, sin)?);
         let cu = if self.full { ctx.cu_full } else { ctx.cu_window };
         let a = be.attention_segments(&q, &k, &v, self.heads, cu)?;
         self.proj.forward(be, &a)

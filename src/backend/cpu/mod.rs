@@ -395,6 +395,10 @@ impl Backend for CpuBackend {
     }
 
     fn rope(&self, x: &CpuTensor, cos: &CpuTensor, sin: &CpuTensor) -> Result<CpuTensor> {
+        self.rope_owned(x.clone(), cos, sin)
+    }
+
+    fn rope_owned(&self, mut x: CpuTensor, cos: &CpuTensor, sin: &CpuTensor) -> Result<CpuTensor> {
         let _op = profile::start("rope");
         check::same("rope", (cos.rows, cos.cols), (sin.rows, sin.cols))?;
         let d = cos.cols;
@@ -404,12 +408,15 @@ impl Backend for CpuBackend {
                 format!("x [{}, {}] with tables [{}, {d}]", x.rows, x.cols, cos.rows),
             ));
         }
-        let mut out = x.clone();
-        out.data.par_chunks_mut(x.cols).enumerate().for_each(|(r, row)| {
+        let cols = x.cols;
+        if cols == 0 {
+            return Ok(x); // no heads (`par_chunks_mut` takes no empty chunks)
+        }
+        x.data.par_chunks_mut(cols).enumerate().for_each(|(r, row)| {
             let (c, s) = (&cos.data[r * d..(r + 1) * d], &sin.data[r * d..(r + 1) * d]);
             row.chunks_mut(d).for_each(|head| ops::rope_head(head, c, s));
         });
-        Ok(out)
+        Ok(x)
     }
 
     fn paged_attention(
