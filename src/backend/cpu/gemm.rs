@@ -554,11 +554,7 @@ struct Rows<'a> {
 /// [`kernel`] on AVX-512 with the sums in `y` (no copy through a [`TileBuf`]; the same chains, so
 /// the same bits).
 fn kernel_rows(t: &Tile<'_>, w: Weights<'_>, k: usize, out: Rows<'_>) {
-    assert!(
-        w.len() >= (t.np - 1) * k * NR + (t.k0 + t.kc) * NR,
-        "panels out of range"
-    );
-    assert!(t.x.len() >= (t.mr - 1) * t.ldx + t.k0 + t.kc, "rows out of range");
+    t.check(w, k);
     assert!(
         out.y.len() >= out.at + (t.mr - 1) * out.ld + t.np * NR,
         "rows of y out of range"
@@ -571,6 +567,21 @@ fn kernel_rows(t: &Tile<'_>, w: Weights<'_>, k: usize, out: Rows<'_>) {
     };
     #[cfg(not(target_arch = "x86_64"))]
     unreachable!("AVX-512 on {:?}", (t.mr, out.ld))
+}
+
+impl Tile<'_> {
+    /// Panics unless `w` (panels `k · 16` elements apart) and `x` hold everything the tile reads:
+    /// the bounds the unsafe kernels rely on.
+    fn check(&self, w: Weights<'_>, k: usize) {
+        assert!(
+            w.len() >= (self.np - 1) * k * NR + (self.k0 + self.kc) * NR,
+            "panels out of range"
+        );
+        assert!(
+            self.x.len() >= (self.mr - 1) * self.ldx + self.k0 + self.kc,
+            "rows out of range"
+        );
+    }
 }
 
 /// The panels of one call, from its first panel on (panels `k · 16` elements apart).
@@ -604,11 +615,7 @@ impl Weights<'_> {
 /// `tile[i][p·16 + j] = fma(x[i][kk], W_p[kk][j], tile[i][p·16 + j])` for every step `kk` of the
 /// block, in order.
 fn kernel(isa: Isa, t: &Tile<'_>, w: Weights<'_>, k: usize, tile: &mut TileBuf) {
-    assert!(
-        w.len() >= (t.np - 1) * k * NR + (t.k0 + t.kc) * NR,
-        "panels out of range"
-    );
-    assert!(t.x.len() >= (t.mr - 1) * t.ldx + t.k0 + t.kc, "rows out of range");
+    t.check(w, k);
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `gemm_with` checked that the CPU has AVX-512F; the bounds are checked above.

@@ -623,4 +623,16 @@ mod split_tests {
         let err = CpuBackend.split_cols(odd, 3).unwrap_err();
         assert!(matches!(err, Error::Shape { .. }), "{err}");
     }
+
+    /// `rope` of rows with no heads (no columns) is those rows unchanged, not a panic
+    /// (`par_chunks_mut` refuses a chunk size of 0), borrowed or owned.
+    #[test]
+    fn rope_of_no_columns_is_the_input() {
+        let table = CpuBackend.upload(&[0.5; 8], 2, 4).unwrap();
+        let x = CpuBackend.upload(&[], 2, 0).unwrap();
+        let y = CpuBackend.rope(&x, &table, &table).unwrap();
+        assert_eq!((y.rows, y.cols, y.data.len()), (2, 0, 0));
+        let y = CpuBackend.rope_owned(x, &table, &table).unwrap();
+        assert_eq!((y.rows, y.cols, y.data.len()), (2, 0, 0));
+    }
 }
