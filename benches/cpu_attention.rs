@@ -36,6 +36,26 @@ fn bench(c: &mut Criterion) {
     g.bench_function("prefill_1206", |b| {
         b.iter(|| be.paged_attention(&q, &k, &v, shape, &seqs).unwrap())
     });
+    // The same prompt as the engine prefills it: chunks of 512 positions (`EngineConfig::chunk_size`),
+    // each attending to everything before it.
+    let chunks: Vec<[PagedSeq<'_>; 1]> = [(0, 512), (512, 512), (1024, n - 1024)]
+        .iter()
+        .map(|&(first, rows)| {
+            [PagedSeq {
+                rows,
+                context_len: first + rows,
+                block_table: &blocks,
+            }]
+        })
+        .collect();
+    let qs: Vec<_> = chunks.iter().map(|c| random(&be, c[0].rows, qh * d, 8)).collect();
+    g.bench_function("prefill_1206_chunks_of_512", |b| {
+        b.iter(|| {
+            for (q, c) in qs.iter().zip(&chunks) {
+                be.paged_attention(q, &k, &v, shape, c).unwrap();
+            }
+        })
+    });
     let q1 = random(&be, 1, qh * d, 4);
     let one = [PagedSeq {
         rows: 1,

@@ -1,6 +1,8 @@
 //! Attention on the CPU as GEMM-shaped passes: per (sequence or image segment, KV head, tile of
 //! query positions) the scores `Q·Kᵀ` of every query head of the group come from the GEMM, each row
-//! is softmaxed, and `P·V` runs as FMA chains over the keys, vectorised across the head's columns.
+//! is softmaxed, and `P·V` runs on the GEMM too over the keys every row of the tile sees, then as
+//! FMA chains over the causal edge's keys, vectorised across the head's columns. A run of many
+//! query rows packs its keys and values into the GEMM's panels once, for all its tiles.
 //!
 //! The arithmetic of one query row `q` of a head over its `n` visible keys (`k_j`, `v_j` in key
 //! order) is fixed, whatever rows are computed with it and on every instruction set — this is what
@@ -21,7 +23,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use super::gemm::{gemm_with, Isa, Matrix, RowMajor};
+use super::gemm::{gemm_panels, gemm_with, Isa, Matrix, Panels, RowMajor};
 use super::simd::{exp, multiversion};
 use super::CpuTensor;
 use crate::backend::{AttnShape, PagedSeq};
@@ -30,9 +32,9 @@ use crate::backend::{AttnShape, PagedSeq};
 /// once for all of them, so fewer rows would pack more often per multiply-add.
 const TASK_ROWS: usize = 32;
 
-/// Query rows from which a run's keys and values are gathered (see [`KvRun`]): below it (decode),
+/// Query rows from which a run's keys and values are packed (see [`KvRun`]): below it (decode),
 /// each row is read once or twice, so it is read where it lies.
-const GATHER_ROWS: usize = 8;
+const PACK_ROWS: usize = 8;
 
 /// Keys per block of `P·V`: the block's values (16 KiB at 128 floats) stay in L1 while every row
 /// tile of the task passes over them.
@@ -64,7 +66,7 @@ pub(super) fn paged_attention(
             runs.push(KvRun {
                 slots: slots.clone(),
                 col: h * d,
-                gather: seq.rows * group >= GATHER_ROWS,
+                pack: seq.rows * group >= PACK_ROWS,
             });
             for t0 in (0..seq.rows).step_by(tile) {
                 let rows = tile.min(seq.rows - t0);
@@ -102,7 +104,7 @@ pub(super) fn attention_segments(
             runs.push(KvRun {
                 slots: slots.clone(),
                 col: h * d,
-                gather: b - a >= GATHER_ROWS,
+                pack: b - a >= PACK_ROWS,
             });
             for r0 in (a..b).step_by(TASK_ROWS) {
                 tasks.push(AttnTask {
@@ -118,25 +120,43 @@ pub(super) fn attention_segments(
 }
 
 /// The keys and values one head attends to: rows `slots` of K and V, columns `col..col + d`.
-/// With `gather`, they are copied once into contiguous `[slots.len(), d]` matrices that every task
-/// reading them shares: the keys for the GEMM, the values because many query rows pass over them
-/// and the pool's rows are `kv_heads · d` floats apart (4 KiB at the 2B's shape: rows that far
+/// With `pack`, they are packed once into the GEMM's panels ([`PackedRun`]), which every task
+/// of the run shares: no task packs the keys again for its scores, and `P·V` reads the values from
+/// panels, not from pool rows `kv_heads · d` floats apart (4 KiB at the 2B's shape: rows that far
 /// apart share a handful of L1 sets).
 struct KvRun {
     slots: Arc<Vec<usize>>,
     col: usize,
-    gather: bool,
+    pack: bool,
 }
 
 impl KvRun {
     /// The run's rows where they lie in the pool `x` (K or V).
     fn in_pool<'a>(&'a self, x: &'a CpuTensor) -> Rows<'a> {
-        Rows::Pool {
+        Rows {
             x: &x.data,
             slots: &self.slots,
             ld: x.cols,
             col: self.col,
         }
+    }
+}
+
+/// A run's keys and values in the GEMM's panels: `K: [n, d]` for the scores `Q·Kᵀ`, and
+/// `Vᵀ: [d, n]` for `P·V`. Packing copies, so the products keep the bits of the definition.
+struct PackedRun {
+    keys: Panels,
+    values: Panels,
+}
+
+impl PackedRun {
+    fn pack(isa: Isa, run: &KvRun, (k, v): (&CpuTensor, &CpuTensor), d: usize) -> PackedRun {
+        let n = run.slots.len();
+        let ks = run.in_pool(k).gathered(n, d);
+        let keys = Panels::pack_f32(isa, &Matrix::new(n, d, RowMajor::F32(&ks)));
+        let vs = run.in_pool(v);
+        let values = Panels::of_transposed(n, d, |j| vs.row(j, d));
+        PackedRun { keys, values }
     }
 }
 
@@ -158,22 +178,19 @@ fn attend_all(
     runs: &[KvRun],
     tasks: &[AttnTask],
 ) -> CpuTensor {
-    let kv: Vec<Option<(Vec<f32>, Vec<f32>)>> = runs
+    let packed: Vec<Option<PackedRun>> = runs
         .par_iter()
-        .map(|r| {
-            let n = r.slots.len();
-            r.gather
-                .then(|| (r.in_pool(k).gathered(n, d), r.in_pool(v).gathered(n, d)))
-        })
+        .map(|r| r.pack.then(|| PackedRun::pack(isa, r, (k, v), d)))
         .collect();
     let scale = 1.0 / (d as f32).sqrt();
     let parts: Vec<Vec<f32>> = tasks
         .par_iter()
         .map(|t| {
             let run = &runs[t.run];
-            let kv = match &kv[t.run] {
-                Some((ks, vs)) => (Rows::Gathered(ks), Rows::Gathered(vs)),
-                None => (run.in_pool(k), run.in_pool(v)),
+            let kv = KvRows {
+                keys: run.in_pool(k),
+                values: run.in_pool(v),
+                packed: packed[t.run].as_ref(),
             };
             attend(isa, q, kv, d, scale, t)
         })
@@ -194,16 +211,18 @@ fn attend_all(
     }
 }
 
+/// What one task reads of its run: the rows in the pool, and the run's panels when it has them.
+struct KvRows<'a> {
+    keys: Rows<'a>,
+    values: Rows<'a>,
+    packed: Option<&'a PackedRun>,
+}
+
 /// One task's output rows `[positions × group, d]`: the group's query rows gathered, the scores
-/// against the run's first keys ([`scores`]), the softmax per row, then `P·V`.
-fn attend(
-    isa: Isa,
-    q: &CpuTensor,
-    (ks, vs): (Rows<'_>, Rows<'_>),
-    d: usize,
-    scale: f32,
-    t: &AttnTask,
-) -> Vec<f32> {
+/// against the run's first keys ([`scores`]), the softmax per row, then `P·V`: on the run's panels
+/// by the GEMM over the keys every row sees, the rest (the causal edge) by [`Pv`]; without panels
+/// all by [`Pv`].
+fn attend(isa: Isa, q: &CpuTensor, kv: KvRows<'_>, d: usize, scale: f32, t: &AttnTask) -> Vec<f32> {
     let (h0, group) = t.heads;
     let rows = t.visible.len() * group;
     let n = t.visible.iter().copied().max().unwrap_or(0);
@@ -217,19 +236,31 @@ fn attend(
     // Scores of every row against all `n` keys; a row past its own visible keys ignores the rest
     // (each score is its own chain, so the extra ones change nothing).
     let mut scores = vec![0f32; rows * n];
-    self::scores(isa, (&qs, rows), ks, (n, d), &mut scores);
+    match kv.packed {
+        Some(p) => gemm_panels(isa, (&qs, d), rows, &p.keys, (n, d), &mut scores),
+        None => self::scores(isa, (&qs, rows), kv.keys, (n, d), &mut scores),
+    }
     let visible: Vec<usize> = (0..rows).map(|r| t.visible[r / group]).collect();
     for (row, &vis) in scores.chunks_mut(n.max(1)).zip(&visible) {
         softmax(&mut row[..vis], scale);
     }
     let mut out = vec![0f32; rows * d];
+    // Keys `0..common` every row sees; past them a row's chains go on only over its own keys.
+    let common = match kv.packed {
+        Some(p) => {
+            let common = t.visible.iter().copied().min().unwrap_or(0);
+            gemm_panels(isa, (&scores, n), rows, &p.values, (d, common), &mut out);
+            common
+        }
+        None => 0,
+    };
     let pv = Pv {
         p: &scores,
         ldp: n,
         visible: &visible,
-        v: vs,
+        v: kv.values,
     };
-    pv.run(isa, &mut out, d);
+    pv.run(isa, &mut out, d, common);
     out
 }
 
@@ -281,70 +312,48 @@ multiversion! {
     }
 }
 
-/// `scores[r·n + j] = Σ_c qs[r·d + c]·k_j[c]` for `rows` query rows and the first `n` keys, one FMA
-/// chain over `c` from 0 per score (the GEMM's): by the GEMM on gathered keys; on keys in the pool,
-/// for a few rows with AVX-512, by 16 × 16 transposes in registers fused into the chains (decode:
-/// no copy of the keys), else by the GEMM on a copy of them.
+/// `scores[r·n + j] = Σ_c qs[r·d + c]·k_j[c]` for `rows` query rows and the first `n` keys in the
+/// pool, one FMA chain over `c` from 0 per score (the GEMM's): for a few rows with AVX-512, by
+/// 16 × 16 transposes in registers fused into the chains (decode: no copy of the keys), else by the
+/// GEMM on a copy of them.
 fn scores(isa: Isa, (qs, rows): (&[f32], usize), ks: Rows<'_>, (n, d): (usize, usize), scores: &mut [f32]) {
-    match ks {
-        Rows::Gathered(ks) => {
-            gemm_with(
-                isa,
-                qs,
-                rows,
-                &Matrix::new(n, d, RowMajor::F32(&ks[..n * d])),
-                None,
-                scores,
-            );
-        }
-        #[cfg(target_arch = "x86_64")]
-        Rows::Pool { x, slots, ld, col }
-            if isa == Isa::Avx512 && d.is_multiple_of(16) && rows <= x86::POOL_SCORE_ROWS && n > 0 =>
-        {
-            assert!(
-                slots[..n].iter().all(|&s| s * ld + col + d <= x.len()),
-                "key rows out of range"
-            );
-            assert!(qs.len() == rows * d && scores.len() == rows * n);
-            // SAFETY: the CPU has AVX-512F; the bounds were checked above.
-            unsafe { x86::scores_pool(qs, rows, d, (x, &slots[..n], ld, col), scores) };
-        }
-        Rows::Pool { .. } => {
-            let ks = ks.gathered(n, d);
-            gemm_with(
-                isa,
-                qs,
-                rows,
-                &Matrix::new(n, d, RowMajor::F32(&ks)),
-                None,
-                scores,
-            );
-        }
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && d.is_multiple_of(16) && rows <= x86::POOL_SCORE_ROWS && n > 0 {
+        let Rows { x, slots, ld, col } = ks;
+        assert!(
+            slots[..n].iter().all(|&s| s * ld + col + d <= x.len()),
+            "key rows out of range"
+        );
+        assert!(qs.len() == rows * d && scores.len() == rows * n);
+        // SAFETY: the CPU has AVX-512F; the bounds were checked above.
+        unsafe { x86::scores_pool(qs, rows, d, (x, &slots[..n], ld, col), scores) };
+        return;
     }
+    let ks = ks.gathered(n, d);
+    gemm_with(
+        isa,
+        qs,
+        rows,
+        &Matrix::new(n, d, RowMajor::F32(&ks)),
+        None,
+        scores,
+    );
 }
 
-/// Where the key or value rows of a run lie.
+/// Where the key or value rows of a run lie in the pool: row `j` is `x[slots[j]·ld + col..]`.
 #[derive(Clone, Copy)]
-enum Rows<'a> {
-    /// Row `j` is `v[j·d..]`.
-    Gathered(&'a [f32]),
-    /// Row `j` is `x[slots[j]·ld + col..]`.
-    Pool {
-        x: &'a [f32],
-        slots: &'a [usize],
-        ld: usize,
-        col: usize,
-    },
+struct Rows<'a> {
+    x: &'a [f32],
+    slots: &'a [usize],
+    ld: usize,
+    col: usize,
 }
 
 impl Rows<'_> {
     /// The `d` floats of row `j`.
     #[inline(always)]
     fn row(&self, j: usize, d: usize) -> &[f32] {
-        match *self {
-            Rows::Gathered(x) => &x[j * d..(j + 1) * d],
-            Rows::Pool { x, slots, ld, col } => &x[slots[j] * ld + col..][..d],
-        }
+        &self.x[self.slots[j] * self.ld + self.col..][..d]
     }
 
     /// Rows `0..n` copied into one contiguous `[n, d]` matrix.
@@ -358,8 +367,8 @@ impl Rows<'_> {
 }
 
 /// `o[r] = Σ_j p[r·ldp + j] · v_j` for the keys `j < visible[r]` of each row `r` (rows of `d`
-/// floats in `o`, which starts at 0; `v_j` is [`Rows::row`]), one FMA chain per element
-/// in key order. The kernels run the chains in blocks of [`KEY_BLOCK`] keys, each block for every
+/// floats in `o`; `v_j` is [`Rows::row`]), one FMA chain per element in key order: from 0 when
+/// `o` starts at 0, or going on from keys `0..start` whose chains `o` holds. The kernels run the chains in blocks of [`KEY_BLOCK`] keys, each block for every
 /// row, the partial sums kept in `o` between blocks: the same chain, stored and reloaded.
 struct Pv<'a> {
     p: &'a [f32],
@@ -369,36 +378,39 @@ struct Pv<'a> {
 }
 
 impl Pv<'_> {
-    /// Fills `o` (`[visible.len(), d]`, zeros) on `isa`'s kernel; every kernel has the bits of
-    /// [`Pv::portable`].
+    /// Runs the chains of `o` (`[visible.len(), d]`) over keys `start..` on `isa`'s kernel; every
+    /// kernel has the bits of [`Pv::portable`].
     ///
     /// # Panics
     /// When a value row is out of range or `p` is too short.
-    fn run(&self, isa: Isa, o: &mut [f32], d: usize) {
+    fn run(&self, isa: Isa, o: &mut [f32], d: usize, start: usize) {
         let n = self.visible.iter().copied().max().unwrap_or(0);
         let rows = self.visible.len();
-        let fits = match self.v {
-            Rows::Gathered(v) => v.len() >= n * d,
-            Rows::Pool { x, slots, ld, col } => slots[..n].iter().all(|&s| s * ld + col + d <= x.len()),
-        };
-        assert!(fits, "value rows out of range");
+        let Rows { x, slots, ld, col } = self.v;
+        assert!(
+            slots[..n].iter().all(|&s| s * ld + col + d <= x.len()),
+            "value rows out of range"
+        );
         assert!(o.len() == rows * d && self.p.len() >= rows.saturating_sub(1) * self.ldp + n);
+        if start >= n {
+            return;
+        }
         match isa {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the CPU has AVX-512F (`Isa::Avx512` is only detected so); bounds checked above.
-            Isa::Avx512 => unsafe { x86::pv_avx512(self, o, d) },
+            Isa::Avx512 => unsafe { x86::pv_avx512(self, o, d, start) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the CPU has AVX2 and FMA (`Isa::Avx2` requires both); bounds checked above.
-            Isa::Avx2 => unsafe { x86::pv_avx2(self, o, d) },
-            _ => self.portable(o, d, 0),
+            Isa::Avx2 => unsafe { x86::pv_avx2(self, o, d, start) },
+            _ => self.portable(o, (d, 0), start),
         }
     }
 
-    /// The defining loops for columns `c0..d` of every row.
-    fn portable(&self, o: &mut [f32], d: usize, c0: usize) {
+    /// The defining loops for columns `c0..d` of every row, keys `start..`.
+    fn portable(&self, o: &mut [f32], (d, c0): (usize, usize), start: usize) {
         for (r, &vis) in self.visible.iter().enumerate() {
             let orow = &mut o[r * d + c0..(r + 1) * d];
-            for j in 0..vis {
+            for j in start..vis {
                 let pj = self.p[r * self.ldp + j];
                 let vj = &self.v.row(j, d)[c0..];
                 orow.iter_mut().zip(vj).for_each(|(o, v)| *o = pj.mul_add(*v, *o));
@@ -490,33 +502,33 @@ mod x86 {
             /// # Safety
             /// The CPU has the kernel's features; `pv`'s bounds were checked.
             #[target_feature(enable = $feat)]
-            pub(super) unsafe fn $all(pv: &Pv<'_>, o: &mut [f32], d: usize) {
+            pub(super) unsafe fn $all(pv: &Pv<'_>, o: &mut [f32], d: usize, start: usize) {
                 let full = d / $w * $w;
                 let mut c0 = 0;
                 while c0 < full {
                     c0 += match (full - c0) / $w {
-                        $($c => $cols::<$c, $r>(pv, o, d, c0),)*
-                        _ => $cols::<$dc, $dr>(pv, o, d, c0),
+                        $($c => $cols::<$c, $r>(pv, o, (d, c0), start),)*
+                        _ => $cols::<$dc, $dr>(pv, o, (d, c0), start),
                     };
                 }
                 if full < d {
-                    pv.portable(o, d, full);
+                    pv.portable(o, (d, full), start);
                 }
             }
 
-            /// Columns `c0..c0 + C · width` of every row, key block by key block; returns their
-            /// count.
+            /// Columns `c0..c0 + C · width` of every row, keys `start..` block by block; returns
+            /// their count.
             #[inline]
             #[target_feature(enable = $feat)]
             unsafe fn $cols<const C: usize, const R: usize>(
                 pv: &Pv<'_>,
                 o: &mut [f32],
-                d: usize,
-                c0: usize,
+                (d, c0): (usize, usize),
+                start: usize,
             ) -> usize {
                 let rows = pv.visible.len();
                 let n = pv.visible.iter().copied().max().unwrap_or(0);
-                for j0 in (0..n).step_by(KEY_BLOCK) {
+                for j0 in (start..n).step_by(KEY_BLOCK) {
                     let j1 = (j0 + KEY_BLOCK).min(n);
                     let mut r = 0;
                     while r + R <= rows {
@@ -557,10 +569,10 @@ mod x86 {
                 // Keys every row of the tile sees, then the causal edge, where some rows stop.
                 let edge = common.clamp(j0, most);
                 for j in j0..edge {
-                    $step::<C, R, false>(pv, &mut acc, (vis, r0, c0), (d, j));
+                    $step::<C, R, false>(pv, &mut acc, (vis, r0, c0), j);
                 }
                 for j in edge..most {
-                    $step::<C, R, true>(pv, &mut acc, (vis, r0, c0), (d, j));
+                    $step::<C, R, true>(pv, &mut acc, (vis, r0, c0), j);
                 }
                 for r in 0..R {
                     for c in 0..C {
@@ -576,13 +588,11 @@ mod x86 {
                 pv: &Pv<'_>,
                 acc: &mut [[$reg; C]; R],
                 (vis, r0, c0): (&[usize], usize, usize),
-                (d, j): (usize, usize),
+                j: usize,
             ) {
                 // In range: checked by `Pv::run`.
-                let vj = match pv.v {
-                    Rows::Gathered(v) => v.as_ptr().add(j * d + c0),
-                    Rows::Pool { x, slots, ld, col } => x.as_ptr().add(*slots.get_unchecked(j) * ld + col + c0),
-                };
+                let Rows { x, slots, ld, col } = pv.v;
+                let vj = x.as_ptr().add(*slots.get_unchecked(j) * ld + col + c0);
                 let mut w = [$zero(); C];
                 for c in 0..C {
                     w[c] = $load(vj.add($w * c));
@@ -808,6 +818,43 @@ mod tests {
             for isa in isas() {
                 let got = paged_attention(isa, &q, &k, &v, s, &seqs);
                 assert_eq!(bits(&got.data), want, "{isa:?}, {s:?}, {shape:?}");
+            }
+        }
+    }
+
+    /// The GEMM on packed panels (keys as `pack_f32`, values as `of_transposed`) over a prefix of
+    /// the outputs and of the steps is the plain `mul_add` chain from 0, bitwise, on every
+    /// instruction set: partial panels, rows of `x` wider than the steps, and more steps than one
+    /// block of the GEMM (its carry through `y`).
+    #[test]
+    fn products_on_panels_over_a_prefix_are_the_chains() {
+        let mut rng = fastrand::Rng::with_seed(31);
+        for (m, n, k) in [(1, 5, 3), (9, 37, 70), (19, 48, 1100)] {
+            let ldx = k + 3;
+            let x = random(&mut rng, m, ldx);
+            let w = random(&mut rng, n, k);
+            let wt: Vec<f32> = (0..k * n).map(|i| w.data[(i % n) * k + i / n]).collect();
+            for (n2, k2) in [(n, k), (n - 1, k / 2 + 1), (n.min(16), 0)] {
+                let mut want = vec![0f32; m * n2];
+                for r in 0..m {
+                    for c in 0..n2 {
+                        want[r * n2 + c] =
+                            (0..k2).fold(0f32, |acc, i| x.data[r * ldx + i].mul_add(w.data[c * k + i], acc));
+                    }
+                }
+                for isa in isas() {
+                    let keys = Panels::pack_f32(isa, &Matrix::new(n, k, RowMajor::F32(&w.data)));
+                    let values = Panels::of_transposed(k, n, |i| &wt[i * n..][..n]);
+                    for (name, panels) in [("pack_f32", &keys), ("of_transposed", &values)] {
+                        let mut y = vec![f32::NAN; m * n2];
+                        gemm_panels(isa, (&x.data, ldx), m, panels, (n2, k2), &mut y);
+                        assert_eq!(
+                            bits(&y),
+                            bits(&want),
+                            "{isa:?} {name} [{m}, {n}, {k}] prefix {n2} x {k2}"
+                        );
+                    }
+                }
             }
         }
     }

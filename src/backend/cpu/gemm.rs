@@ -192,6 +192,43 @@ impl Panels {
         Panels { n, k, data }
     }
 
+    /// An f32 `w` packed whole by the GEMM's own block packer (16 × 16 transposes in registers
+    /// where the CPU has them), for a product that many calls reuse: attention's keys, shared by
+    /// every tile of query rows of a head.
+    pub(in crate::backend::cpu) fn pack_f32(isa: Isa, w: &Matrix<'_>) -> Panels {
+        let panels = w.n.div_ceil(NR);
+        let mut data = vec![0f32; panels * w.k * NR];
+        pack::panels(isa, w, (0, panels), (0, w.k), &mut data);
+        Panels {
+            n: w.n,
+            k: w.k,
+            data: PanelData::F32(data),
+        }
+    }
+
+    /// The panels of `W = Rᵀ` (`[width, count]`) for `count` rows `row(i)` of `width` floats: panel
+    /// `p`'s step `i` is `row(i)[16p..16p + 16]`, a straight copy (zero past `width`). Attention's
+    /// values, for `P·V` by the GEMM.
+    pub(in crate::backend::cpu) fn of_transposed<'r>(
+        count: usize,
+        width: usize,
+        row: impl Fn(usize) -> &'r [f32],
+    ) -> Panels {
+        let panels = width.div_ceil(NR);
+        let mut data = vec![0f32; panels * count * NR];
+        for i in 0..count {
+            let r = &row(i)[..width];
+            for (p, src) in r.chunks(NR).enumerate() {
+                data[(p * count + i) * NR..][..src.len()].copy_from_slice(src);
+            }
+        }
+        Panels {
+            n: width,
+            k: count,
+            data: PanelData::F32(data),
+        }
+    }
+
     /// Bytes the panels take.
     pub fn bytes(&self) -> usize {
         match &self.data {
@@ -433,6 +470,61 @@ fn panels_range(isa: Isa, x: &[f32], m: usize, w: &Panels, p0: usize, p1: usize,
         };
         let panels = |p: usize| w.from(p);
         block_pass(isa, &block, (m, w.n), (p0, p1), (panels, k), &mut tile, y);
+    }
+}
+
+/// `y[m, n] = x[.., ..k] · W[..n, ..k]ᵀ` on the calling thread, from `w`'s panels: its first `n`
+/// outputs over its first `k` steps, the rows of `x` `ldx` apart. Each output is the chain of
+/// [`gemm`] (one `mul_add` per step, from 0, in order of `k`), so a product over a prefix of the
+/// steps is the start of the product over all of them, bit for bit.
+///
+/// # Panics
+/// When `n` or `k` exceed the panels', or `x` or `y` are too short.
+pub(in crate::backend::cpu) fn gemm_panels(
+    isa: Isa,
+    (x, ldx): (&[f32], usize),
+    m: usize,
+    w: &Panels,
+    (n, k): (usize, usize),
+    y: &mut [f32],
+) {
+    assert!(
+        n <= w.n && k <= w.k && k <= ldx,
+        "[{n}, {k}] inside [{}, {}] panels",
+        w.n,
+        w.k
+    );
+    assert!(
+        m == 0 || x.len() >= (m - 1) * ldx + k,
+        "x is not [{m}, {k}] rows {ldx} apart"
+    );
+    assert_eq!(y.len(), m * n, "y is not [{m}, {n}]");
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        y.fill(0.0);
+        return;
+    }
+    let mut tile: TileBuf = [[0f32; NP * NR]; MR];
+    for k0 in (0..k).step_by(KC) {
+        let block = Block {
+            x,
+            k: ldx,
+            k0,
+            kc: KC.min(k - k0),
+            carry: k0 > 0,
+        };
+        let panels = |p: usize| w.from(p);
+        block_pass(
+            isa,
+            &block,
+            (m, n),
+            (0, n.div_ceil(NR)),
+            (panels, w.k),
+            &mut tile,
+            y,
+        );
     }
 }
 
