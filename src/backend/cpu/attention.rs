@@ -183,27 +183,32 @@ fn attend_all(
         .map(|r| r.pack.then(|| PackedRun::pack(isa, r, (k, v), d)))
         .collect();
     let scale = 1.0 / (d as f32).sqrt();
-    let parts: Vec<Vec<f32>> = tasks
-        .par_iter()
-        .map(|t| {
-            let run = &runs[t.run];
-            let kv = KvRows {
-                keys: run.in_pool(k),
-                values: run.in_pool(v),
-                packed: packed[t.run].as_ref(),
-            };
-            attend(isa, q, kv, d, scale, t)
-        })
-        .collect();
     let mut out = vec![0f32; q.rows * q.cols];
-    for (t, part) in tasks.iter().zip(parts) {
+    // Each task copies its rows into `out` as soon as it has them, while they are in its cache,
+    // and no task's rows wait in memory for the others.
+    let out_addr = out.as_mut_ptr() as usize;
+    tasks.par_iter().for_each(|t| {
+        let run = &runs[t.run];
+        let kv = KvRows {
+            keys: run.in_pool(k),
+            values: run.in_pool(v),
+            packed: packed[t.run].as_ref(),
+        };
+        let part = attend(isa, q, kv, d, scale, t);
         // Part rows are (position, head of the group), position-major.
         for (r, o) in part.chunks(d).enumerate() {
             let (i, g) = (r / t.heads.1, r % t.heads.1);
             let at = (t.row0 + i) * q.cols + (t.heads.0 + g) * d;
-            out[at..at + d].copy_from_slice(o);
+            assert!(
+                at + d <= q.rows * q.cols && o.len() == d,
+                "attention rows out of range"
+            );
+            // SAFETY: `out` holds `at + d` floats (asserted) and outlives the loop; the tasks'
+            // (position, head) blocks are disjoint, so no two tasks write the same floats, and
+            // nothing reads `out` until the loop ends.
+            unsafe { std::ptr::copy_nonoverlapping(o.as_ptr(), (out_addr as *mut f32).add(at), d) };
         }
-    }
+    });
     CpuTensor {
         data: out,
         rows: q.rows,
