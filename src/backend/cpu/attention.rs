@@ -170,7 +170,8 @@ struct AttnTask {
     visible: Vec<usize>,
 }
 
-/// Gathers the runs, runs the tasks in parallel and assembles the output `[q.rows, q.cols]`.
+/// Packs the runs that have many query rows, then runs the tasks in parallel, each writing its
+/// rows of the output `[q.rows, q.cols]`.
 fn attend_all(
     isa: Isa,
     (q, k, v): (&CpuTensor, &CpuTensor, &CpuTensor),
