@@ -374,8 +374,9 @@ impl Rows<'_> {
 
 /// `o[r] = Σ_j p[r·ldp + j] · v_j` for the keys `j < visible[r]` of each row `r` (rows of `d`
 /// floats in `o`; `v_j` is [`Rows::row`]), one FMA chain per element in key order: from 0 when
-/// `o` starts at 0, or going on from keys `0..start` whose chains `o` holds. The kernels run the chains in blocks of [`KEY_BLOCK`] keys, each block for every
-/// row, the partial sums kept in `o` between blocks: the same chain, stored and reloaded.
+/// `o` starts at 0, or going on from keys `0..start` whose chains `o` holds. The kernels run the
+/// chains in blocks of [`KEY_BLOCK`] keys, each block for every row, the partial sums kept in `o`
+/// between blocks: the same chain, stored and reloaded.
 struct Pv<'a> {
     p: &'a [f32],
     ldp: usize,

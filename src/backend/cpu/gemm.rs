@@ -421,7 +421,7 @@ thread_local! {
 fn panel_range(isa: Isa, x: &[f32], m: usize, w: &Matrix<'_>, p0: usize, p1: usize, y: &mut [f32]) {
     let k = w.k;
     if let (Some(panels), true) = (w.panels, m < MR) {
-        return panels_range(isa, x, m, panels, p0, p1, y);
+        return panels_range(isa, (x, k), m, panels, (w.n, k), (p0, p1), y);
     }
     let p0 = if m < MR {
         pack::fused_rows(isa, x, m, w, (p0, p1), y)
@@ -456,20 +456,29 @@ fn panel_range(isa: Isa, x: &[f32], m: usize, w: &Matrix<'_>, p0: usize, p1: usi
     });
 }
 
-/// [`panel_range`] on a weight's [`Panels`]: blocks of `KC` steps, each panel read where it lies.
-fn panels_range(isa: Isa, x: &[f32], m: usize, w: &Panels, p0: usize, p1: usize, y: &mut [f32]) {
-    let k = w.k;
+/// [`panel_range`] on a weight's [`Panels`], each panel read where it lies: panels `p0..p1` of its
+/// first `n` outputs (the width of `y`), its first `k` steps in blocks of `KC`, the rows of `x`
+/// `ldx` apart.
+fn panels_range(
+    isa: Isa,
+    (x, ldx): (&[f32], usize),
+    m: usize,
+    w: &Panels,
+    (n, k): (usize, usize),
+    (p0, p1): (usize, usize),
+    y: &mut [f32],
+) {
     let mut tile: TileBuf = [[0f32; NP * NR]; MR];
     for k0 in (0..k).step_by(KC) {
         let block = Block {
             x,
-            k,
+            k: ldx,
             k0,
             kc: KC.min(k - k0),
             carry: k0 > 0,
         };
         let panels = |p: usize| w.from(p);
-        block_pass(isa, &block, (m, w.n), (p0, p1), (panels, k), &mut tile, y);
+        block_pass(isa, &block, (m, n), (p0, p1), (panels, w.k), &mut tile, y);
     }
 }
 
@@ -506,26 +515,7 @@ pub(in crate::backend::cpu) fn gemm_panels(
         y.fill(0.0);
         return;
     }
-    let mut tile: TileBuf = [[0f32; NP * NR]; MR];
-    for k0 in (0..k).step_by(KC) {
-        let block = Block {
-            x,
-            k: ldx,
-            k0,
-            kc: KC.min(k - k0),
-            carry: k0 > 0,
-        };
-        let panels = |p: usize| w.from(p);
-        block_pass(
-            isa,
-            &block,
-            (m, n),
-            (0, n.div_ceil(NR)),
-            (panels, w.k),
-            &mut tile,
-            y,
-        );
-    }
+    panels_range(isa, (x, ldx), m, w, (n, k), (0, n.div_ceil(NR)), y);
 }
 
 /// One block of `k` as the micro-kernels see it: steps `k0..k0 + kc` of `x` (row stride `k`) and
