@@ -55,7 +55,11 @@ impl Tokenizer {
         let bytes = crate::limits::read_capped_bytes(path, crate::limits::MAX_TOKENIZER_BYTES)?;
         // The tokenizers crate reports malformed files as errors; catch a panic from an unusual corner of
         // its deserialisation too, so that a bad file can never take the process down.
-        let parsed = std::panic::catch_unwind(|| tokenizers::Tokenizer::from_bytes(&bytes));
+        // The direct reader (`load.rs`) when it reads the file exactly as the crate would, else the crate.
+        let parsed = std::panic::catch_unwind(|| match super::load::parse(&bytes) {
+            Some(inner) => Ok(inner),
+            None => tokenizers::Tokenizer::from_bytes(&bytes),
+        });
         let inner = match parsed {
             Ok(Ok(inner)) => inner,
             Ok(Err(e)) => {
