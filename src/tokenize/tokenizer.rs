@@ -203,6 +203,24 @@ mod tests {
     }
 
     #[test]
+    fn a_file_the_direct_reader_declines_loads_through_the_crate() {
+        // Padding set: `load::parse` declines it, the crate's loader reads it.
+        let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-tokenizer/tokenizer.json");
+        let mut json: serde_json::Value = serde_json::from_slice(&std::fs::read(tiny).unwrap()).unwrap();
+        json["padding"] = serde_json::json!({"strategy": "BatchLongest", "direction": "Right",
+            "pad_to_multiple_of": null, "pad_id": 0, "pad_type_id": 0, "pad_token": "!"});
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        std::fs::write(&path, serde_json::to_vec(&json).unwrap()).unwrap();
+        let tok = Tokenizer::from_file(&path).unwrap();
+        assert!(tok.inner().get_padding().is_some());
+        assert_eq!(
+            tok.encode("<|im_start|>").unwrap(),
+            [tok.token_id("<|im_start|>").unwrap()]
+        );
+    }
+
+    #[test]
     fn missing_file_names_the_path() {
         let path = Path::new("/nonexistent/recall/tokenizer.json");
         let err = Tokenizer::from_file(path).unwrap_err();
