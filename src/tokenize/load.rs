@@ -20,9 +20,8 @@
 
 use std::fmt;
 
-use serde::de::{self, Deserializer, SeqAccess, Visitor};
+use serde::de::{self, Deserializer, IgnoredAny, SeqAccess, Visitor};
 use serde::Deserialize;
-use serde_json::value::RawValue;
 use tokenizers::models::bpe::BPE;
 use tokenizers::{
     AddedToken, DecoderWrapper, ModelWrapper, NormalizerWrapper, PostProcessorWrapper, PreTokenizerWrapper,
@@ -32,12 +31,11 @@ use tokenizers::{
 /// The top level of `tokenizer.json`, as far as [`parse`] reads it; other keys are ignored, as the
 /// crate ignores them.
 #[derive(Deserialize)]
-struct TokenizerFile<'a> {
+struct TokenizerFile {
     version: Option<String>,
-    #[serde(borrow)]
-    truncation: Option<&'a RawValue>,
-    #[serde(borrow)]
-    padding: Option<&'a RawValue>,
+    /// `Some` when set (not `null`).
+    truncation: Option<IgnoredAny>,
+    padding: Option<IgnoredAny>,
     #[serde(default)]
     added_tokens: Vec<AddedTokenWithId>,
     normalizer: Option<NormalizerWrapper>,
@@ -68,58 +66,40 @@ struct BpeFile {
     byte_fallback: Option<bool>,
     ignore_merges: Option<bool>,
     vocab: ahash::AHashMap<String, u32>,
-    merges: Merges,
+    merges: Vec<Merge>,
 }
 
-/// The merge list: pairs (`[["Ġ", "t"], ...]`, newer files) or lines (`["Ġ t", ...]`, older ones),
-/// read without buffering the list (an untagged enum would copy all of it first).
-struct Merges(Option<Vec<(String, String)>>);
-
-impl<'de> Deserialize<'de> for Merges {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_seq(MergesVisitor)
-    }
-}
-
-struct MergesVisitor;
-
-impl<'de> Visitor<'de> for MergesVisitor {
-    type Value = Merges;
-
-    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str("a list of merges")
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Merges, A::Error> {
-        let mut merges = Vec::with_capacity(seq.size_hint().unwrap_or(0));
-        // A file mixing the two forms is not one the crate reads: decline it.
-        let mut form = None;
-        while let Some(merge) = seq.next_element::<Merge>()? {
-            let (pair, line) = match merge {
-                Merge::Pair(a, b) => ((a, b), false),
-                Merge::Line(l) => {
-                    // As the crate: `#version` lines are skipped, the rest split at each space into
-                    // exactly two parts.
-                    if l.starts_with("#version") {
-                        continue;
-                    }
-                    let mut parts = l.split(' ');
-                    match (parts.next(), parts.next(), parts.next()) {
-                        (Some(a), Some(b), None) => ((a.to_owned(), b.to_owned()), true),
-                        _ => return Ok(Merges(None)),
-                    }
+/// The merges as the BPE builder takes them, from pairs (`[["Ġ", "t"], ...]`, newer files) or lines
+/// (`["Ġ t", ...]`, older ones); `None` for a list the crate would not read this way (the two forms
+/// mixed, a line that does not split in two).
+fn merge_pairs(merges: Vec<Merge>) -> Option<Vec<(String, String)>> {
+    let mut pairs = Vec::with_capacity(merges.len());
+    let mut form = None;
+    for merge in merges {
+        let (pair, line) = match merge {
+            Merge::Pair(a, b) => ((a, b), false),
+            Merge::Line(l) => {
+                // As the crate: `#version` lines are skipped, the rest split at each space into
+                // exactly two parts.
+                if l.starts_with("#version") {
+                    continue;
                 }
-            };
-            if *form.get_or_insert(line) != line {
-                return Ok(Merges(None));
+                let mut parts = l.split(' ');
+                match (parts.next(), parts.next(), parts.next()) {
+                    (Some(a), Some(b), None) => ((a.to_owned(), b.to_owned()), true),
+                    _ => return None,
+                }
             }
-            merges.push(pair);
+        };
+        if *form.get_or_insert(line) != line {
+            return None;
         }
-        Ok(Merges(Some(merges)))
+        pairs.push(pair);
     }
+    Some(pairs)
 }
 
-/// One merge, in either form.
+/// One merge, in either form, read as it comes (an untagged enum would buffer each one first).
 enum Merge {
     Pair(String, String),
     Line(String),
@@ -165,16 +145,18 @@ impl<'de> Visitor<'de> for MergeVisitor {
 /// The tokenizer in `bytes`, when it is a BPE tokenizer [`parse`] reads exactly as the crate does;
 /// `None` otherwise (including when the file is malformed: the crate's loader then says how).
 pub(super) fn parse(bytes: &[u8]) -> Option<tokenizers::Tokenizer> {
-    let file: TokenizerFile<'_> = serde_json::from_slice(bytes).ok()?;
-    let set = |v: Option<&RawValue>| v.is_some_and(|v| v.get() != "null");
-    if file.version.as_deref().is_some_and(|v| v != "1.0") || set(file.truncation) || set(file.padding) {
+    let file: TokenizerFile = serde_json::from_slice(bytes).ok()?;
+    if file.version.as_deref().is_some_and(|v| v != "1.0")
+        || file.truncation.is_some()
+        || file.padding.is_some()
+    {
         return None;
     }
     let model = file.model;
     if model.kind.as_deref() != Some("BPE") {
         return None;
     }
-    let mut bpe = BPE::builder().vocab_and_merges(model.vocab, model.merges.0?);
+    let mut bpe = BPE::builder().vocab_and_merges(model.vocab, merge_pairs(model.merges)?);
     if let Some(p) = model.dropout {
         bpe = bpe.dropout(p);
     }
