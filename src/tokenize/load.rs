@@ -1,32 +1,39 @@
-//! A direct way into [`tokenizers::Tokenizer`] for a byte-level BPE `tokenizer.json`.
+//! A direct way into a byte-level BPE `tokenizer.json`.
 //!
 //! The `tokenizers` crate reads a model through two untyped copies: the whole model object is
 //! buffered, turned into a `serde_json::Value` (a map of 151,643 vocabulary entries, keyed by
-//! string), then deserialized again into the BPE. On the Qwen vocabulary that took most of the
-//! tokenizer's load, and the load is on the critical path of every one-shot request.
+//! string), then deserialized again into the BPE, whose builder copies every string twice more.
+//! On the Qwen vocabulary that was most of the tokenizer's load, and the load is on the critical
+//! path of every one-shot request.
 //!
-//! [`parse`] reads the same fields straight into the vocabulary map and merge list, builds the BPE
-//! with the crate's own builder and the same options, and assembles the tokenizer with the crate's
-//! own builder, normaliser, pre-tokenizer, post-processor and decoder types, then adds the added
-//! tokens as the crate's loader does. It declines (returns `None`) on anything it does not read
-//! exactly as the crate would: another model type, truncation or padding set, an unknown version,
-//! merges it cannot split, an added token whose id comes out different. The caller then loads
-//! through the crate, which also gives the error messages for malformed files.
+//! [`parse`] reads the vocabulary straight into the tables of [`Bpe`] (`bpe.rs`) and resolves each
+//! merge as it reads it, then assembles the tokenizer with the crate's own builder, normaliser,
+//! pre-tokenizer, post-processor and decoder types, and adds the added tokens as the crate's loader
+//! does. It declines (returns `None`) on anything it does not read exactly as the crate would:
+//! another model type, truncation or padding set, an unknown version, a BPE option `Bpe` does not
+//! implement, ids that are not `0..n`, merges it cannot split or resolve, an added token whose id
+//! comes out different. The caller then loads through the crate, which also gives the error
+//! messages for malformed files.
 //!
-//! The tests below check that both ways give the same tokenizer, serialized field by field, and
-//! the same ids, for every `tokenizer.json` in the repository and for merges written as pairs.
-//! On the Qwen vocabulary the load takes 113-120 ms here against about 175 ms through the crate
-//! (docs/PERFORMANCE.md, 2026-12-06 night).
+//! The tests below check that both ways give the same tokenizer (every token and id, the added
+//! tokens, encodings and decodings) for every `tokenizer.json` in the repository and for merges
+//! written as pairs. See docs/PERFORMANCE.md for the load times.
 
+use std::borrow::Cow;
 use std::fmt;
 
-use serde::de::{self, Deserializer, IgnoredAny, SeqAccess, Visitor};
+use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
-use tokenizers::models::bpe::BPE;
 use tokenizers::{
-    AddedToken, DecoderWrapper, ModelWrapper, NormalizerWrapper, PostProcessorWrapper, PreTokenizerWrapper,
-    TokenizerBuilder,
+    AddedToken, DecoderWrapper, NormalizerWrapper, PostProcessorWrapper, PreTokenizerWrapper,
+    TokenizerBuilder, TokenizerImpl,
 };
+
+use super::bpe::{Bpe, Merges, MergesBuilder, Vocab, VocabBuilder};
+
+/// A tokenizer read by [`parse`]: the crate's pipeline around [`Bpe`].
+pub(super) type Direct =
+    TokenizerImpl<Bpe, NormalizerWrapper, PreTokenizerWrapper, PostProcessorWrapper, DecoderWrapper>;
 
 /// The top level of `tokenizer.json`, as far as [`parse`] reads it; other keys are ignored, as the
 /// crate ignores them.
@@ -53,59 +60,154 @@ struct AddedTokenWithId {
     token: AddedToken,
 }
 
-/// The `model` object of a BPE tokenizer: the fields the crate's BPE reader takes.
-#[derive(Deserialize)]
-struct BpeFile {
-    #[serde(rename = "type")]
-    kind: Option<String>,
-    dropout: Option<f32>,
-    unk_token: Option<String>,
-    continuing_subword_prefix: Option<String>,
-    end_of_word_suffix: Option<String>,
-    fuse_unk: Option<bool>,
-    byte_fallback: Option<bool>,
-    ignore_merges: Option<bool>,
-    vocab: ahash::AHashMap<String, u32>,
-    merges: Vec<Merge>,
+/// The `model` object, read into a [`Bpe`]; `None` when it asks for something `Bpe` does not do
+/// exactly as the crate (see [`BpeVisitor`]).
+struct BpeFile(Option<Bpe>);
+
+impl<'de> Deserialize<'de> for BpeFile {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_map(BpeVisitor)
+    }
 }
 
-/// The merges as the BPE builder takes them, from pairs (`[["Ġ", "t"], ...]`, newer files) or lines
-/// (`["Ġ t", ...]`, older ones); `None` for a list the crate would not read this way (the two forms
-/// mixed, a line that does not split in two).
-fn merge_pairs(merges: Vec<Merge>) -> Option<Vec<(String, String)>> {
-    let mut pairs = Vec::with_capacity(merges.len());
-    let mut form = None;
-    for merge in merges {
-        let (pair, line) = match merge {
-            Merge::Pair(a, b) => ((a, b), false),
-            Merge::Line(l) => {
+/// The fields the crate's BPE reader takes. `Bpe` serves the options the Qwen files set: no
+/// dropout (or 0), no unknown token, no byte fallback, an empty or absent subword prefix and word
+/// suffix (the crate adds them to texts, so empty ones change nothing), `fuse_unk` (which only
+/// matters with an unknown token) and `ignore_merges` either way. The vocabulary must come before
+/// the merges, which are resolved against it as they are read.
+struct BpeVisitor;
+
+impl<'de> Visitor<'de> for BpeVisitor {
+    type Value = BpeFile;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a BPE model object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<BpeFile, A::Error> {
+        let (mut served, mut ignore_merges, mut is_bpe) = (true, false, false);
+        let mut vocab: Option<Option<Vocab>> = None;
+        let mut merges: Option<Option<Merges>> = None;
+        while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+            match key.as_ref() {
+                "type" => is_bpe = map.next_value::<Cow<'de, str>>()? == "BPE",
+                "dropout" => served &= map.next_value::<Option<f32>>()?.is_none_or(|p| p == 0.0),
+                "unk_token" => served &= map.next_value::<Option<IgnoredAny>>()?.is_none(),
+                "continuing_subword_prefix" | "end_of_word_suffix" => {
+                    served &= map
+                        .next_value::<Option<Cow<'de, str>>>()?
+                        .is_none_or(|s| s.is_empty())
+                }
+                "fuse_unk" => drop(map.next_value::<Option<bool>>()?),
+                "byte_fallback" => served &= map.next_value::<Option<bool>>()? != Some(true),
+                "ignore_merges" => ignore_merges = map.next_value::<Option<bool>>()?.unwrap_or(false),
+                // A second vocabulary or merge list: the crate keeps the last of each and resolves
+                // the merges at the end; decline rather than follow.
+                "vocab" | "merges" if merges.is_some() => {
+                    map.next_value::<IgnoredAny>()?;
+                    served = false;
+                }
+                "vocab" => vocab = Some(map.next_value_seed(VocabSeed)?),
+                "merges" => match &vocab {
+                    Some(Some(v)) => merges = Some(map.next_value_seed(MergesSeed(v))?),
+                    // Merges before the vocabulary (or after a declined one).
+                    _ => {
+                        map.next_value::<IgnoredAny>()?;
+                        served = false;
+                    }
+                },
+                _ => drop(map.next_value::<IgnoredAny>()?),
+            }
+        }
+        let bpe = match (served && is_bpe, vocab, merges) {
+            (true, Some(Some(vocab)), Some(Some(merges))) => Some(Bpe::new(vocab, merges, ignore_merges)),
+            _ => None,
+        };
+        Ok(BpeFile(bpe))
+    }
+}
+
+/// The `vocab` object into a [`Vocab`] (`None` unless its ids are `0..n` and its texts differ).
+struct VocabSeed;
+
+impl<'de> DeserializeSeed<'de> for VocabSeed {
+    type Value = Option<Vocab>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Option<Vocab>, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for VocabSeed {
+    type Value = Option<Vocab>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a map of token texts to ids")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Option<Vocab>, A::Error> {
+        let mut vocab = VocabBuilder::default();
+        while let Some((Text(token), id)) = map.next_entry::<Text<'de>, u32>()? {
+            vocab.push(&token, id);
+        }
+        Ok(vocab.build())
+    }
+}
+
+/// The `merges` list resolved against a vocabulary: pairs (`[["Ġ", "t"], ...]`, newer files) or
+/// lines (`["Ġ t", ...]`, older ones). `None` for a list the crate would not read this way (the
+/// two forms mixed, a line that does not split in two) or that names a text outside the vocabulary.
+struct MergesSeed<'v>(&'v Vocab);
+
+impl<'de> DeserializeSeed<'de> for MergesSeed<'_> {
+    type Value = Option<Merges>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Option<Merges>, D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+impl<'de> Visitor<'de> for MergesSeed<'_> {
+    type Value = Option<Merges>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a list of merges")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Option<Merges>, A::Error> {
+        let mut merges = MergesBuilder::new(self.0);
+        let (mut form, mut served) = (None, true);
+        while let Some(merge) = seq.next_element::<Merge<'de>>()? {
+            let (a, b, line) = match &merge {
+                Merge::Pair(a, b) => (a.as_ref(), b.as_ref(), false),
                 // As the crate: `#version` lines are skipped, the rest split at each space into
                 // exactly two parts.
-                if l.starts_with("#version") {
-                    continue;
+                Merge::Line(l) if l.starts_with("#version") => continue,
+                Merge::Line(l) => {
+                    let mut parts = l.split(' ');
+                    match (parts.next(), parts.next(), parts.next()) {
+                        (Some(a), Some(b), None) => (a, b, true),
+                        _ => {
+                            served = false;
+                            continue;
+                        }
+                    }
                 }
-                let mut parts = l.split(' ');
-                match (parts.next(), parts.next(), parts.next()) {
-                    (Some(a), Some(b), None) => ((a.to_owned(), b.to_owned()), true),
-                    _ => return None,
-                }
-            }
-        };
-        if *form.get_or_insert(line) != line {
-            return None;
+            };
+            served &= *form.get_or_insert(line) == line;
+            merges.push(a, b);
         }
-        pairs.push(pair);
+        Ok(merges.build().filter(|_| served))
     }
-    Some(pairs)
 }
 
-/// One merge, in either form, read as it comes (an untagged enum would buffer each one first).
-enum Merge {
-    Pair(String, String),
-    Line(String),
+/// One merge, in either form, borrowed from the file where it has no escapes.
+enum Merge<'de> {
+    Pair(Cow<'de, str>, Cow<'de, str>),
+    Line(Cow<'de, str>),
 }
 
-impl<'de> Deserialize<'de> for Merge {
+impl<'de> Deserialize<'de> for Merge<'de> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         d.deserialize_any(MergeVisitor)
     }
@@ -114,37 +216,61 @@ impl<'de> Deserialize<'de> for Merge {
 struct MergeVisitor;
 
 impl<'de> Visitor<'de> for MergeVisitor {
-    type Value = Merge;
+    type Value = Merge<'de>;
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("a merge: two strings, or one with a space")
     }
 
-    fn visit_str<E: de::Error>(self, v: &str) -> Result<Merge, E> {
-        Ok(Merge::Line(v.to_owned()))
+    fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Merge<'de>, E> {
+        Ok(Merge::Line(Cow::Borrowed(v)))
     }
 
-    fn visit_string<E: de::Error>(self, v: String) -> Result<Merge, E> {
-        Ok(Merge::Line(v))
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Merge<'de>, E> {
+        Ok(Merge::Line(Cow::Owned(v.to_owned())))
     }
 
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Merge, A::Error> {
-        let a: String = seq
-            .next_element()?
-            .ok_or_else(|| de::Error::invalid_length(0, &self))?;
-        let b: String = seq
-            .next_element()?
-            .ok_or_else(|| de::Error::invalid_length(1, &self))?;
-        if seq.next_element::<de::IgnoredAny>()?.is_some() {
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Merge<'de>, A::Error> {
+        let a: Cow<'de, str> = seq
+            .next_element::<Text<'de>>()?
+            .ok_or_else(|| de::Error::invalid_length(0, &self))?
+            .0;
+        let b: Cow<'de, str> = seq
+            .next_element::<Text<'de>>()?
+            .ok_or_else(|| de::Error::invalid_length(1, &self))?
+            .0;
+        if seq.next_element::<IgnoredAny>()?.is_some() {
             return Err(de::Error::invalid_length(3, &self));
         }
         Ok(Merge::Pair(a, b))
     }
 }
 
+/// A string, borrowed from the file where it has no escapes (serde's own `Cow<str>` always copies).
+struct Text<'de>(Cow<'de, str>);
+
+impl<'de> Deserialize<'de> for Text<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct TextVisitor;
+        impl<'de> Visitor<'de> for TextVisitor {
+            type Value = Text<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Text<'de>, E> {
+                Ok(Text(Cow::Borrowed(v)))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Text<'de>, E> {
+                Ok(Text(Cow::Owned(v.to_owned())))
+            }
+        }
+        d.deserialize_str(TextVisitor)
+    }
+}
+
 /// The tokenizer in `bytes`, when it is a BPE tokenizer [`parse`] reads exactly as the crate does;
 /// `None` otherwise (including when the file is malformed: the crate's loader then says how).
-pub(super) fn parse(bytes: &[u8]) -> Option<tokenizers::Tokenizer> {
+pub(super) fn parse(bytes: &[u8]) -> Option<Direct> {
     let file: TokenizerFile = serde_json::from_slice(bytes).ok()?;
     if file.version.as_deref().is_some_and(|v| v != "1.0")
         || file.truncation.is_some()
@@ -152,46 +278,14 @@ pub(super) fn parse(bytes: &[u8]) -> Option<tokenizers::Tokenizer> {
     {
         return None;
     }
-    let model = file.model;
-    if model.kind.as_deref() != Some("BPE") {
-        return None;
-    }
-    let mut bpe = BPE::builder().vocab_and_merges(model.vocab, merge_pairs(model.merges)?);
-    if let Some(p) = model.dropout {
-        bpe = bpe.dropout(p);
-    }
-    if let Some(unk) = model.unk_token {
-        bpe = bpe.unk_token(unk);
-    }
-    if let Some(prefix) = model.continuing_subword_prefix {
-        bpe = bpe.continuing_subword_prefix(prefix);
-    }
-    if let Some(suffix) = model.end_of_word_suffix {
-        bpe = bpe.end_of_word_suffix(suffix);
-    }
-    if let Some(fuse) = model.fuse_unk {
-        bpe = bpe.fuse_unk(fuse);
-    }
-    if let Some(fallback) = model.byte_fallback {
-        bpe = bpe.byte_fallback(fallback);
-    }
-    if let Some(ignore) = model.ignore_merges {
-        bpe = bpe.ignore_merges(ignore);
-    }
-    let mut tokenizer = TokenizerBuilder::<
-        ModelWrapper,
-        NormalizerWrapper,
-        PreTokenizerWrapper,
-        PostProcessorWrapper,
-        DecoderWrapper,
-    >::new()
-    .with_model(ModelWrapper::BPE(bpe.build().ok()?))
-    .with_normalizer(file.normalizer)
-    .with_pre_tokenizer(file.pre_tokenizer)
-    .with_post_processor(file.post_processor)
-    .with_decoder(file.decoder)
-    .build()
-    .ok()?;
+    let mut tokenizer = TokenizerBuilder::new()
+        .with_model(file.model.0?)
+        .with_normalizer(file.normalizer)
+        .with_pre_tokenizer(file.pre_tokenizer)
+        .with_post_processor(file.post_processor)
+        .with_decoder(file.decoder)
+        .build()
+        .ok()?;
     let added: Vec<AddedToken> = file.added_tokens.iter().map(|t| t.token.clone()).collect();
     tokenizer.add_tokens(&added);
     // The crate keeps the ids the model and the order of addition give, and only warns when they
@@ -200,12 +294,14 @@ pub(super) fn parse(bytes: &[u8]) -> Option<tokenizers::Tokenizer> {
         .added_tokens
         .iter()
         .all(|t| tokenizer.token_to_id(&t.token.content) == Some(t.id));
-    ids_hold.then(|| tokenizers::Tokenizer::from(tokenizer))
+    ids_hold.then_some(tokenizer)
 }
 
 #[cfg(test)]
 mod tests {
     use std::path::{Path, PathBuf};
+
+    use tokenizers::Model;
 
     use super::parse;
 
@@ -223,26 +319,146 @@ mod tests {
         files
     }
 
-    const TEXTS: [&str; 4] = [
-        "<|im_start|>user\nHello, world! 12345 <|image_pad|><|im_end|>",
-        "  café naïve 東京 — \t\n\n  <tool_call>{\"x\": 1}</tool_call>",
-        "",
-        "don't  stop'll 'RE \u{1F600}",
-    ];
+    /// Texts to encode both ways: the Qwen chat's shapes, then seeded random strings over an
+    /// alphabet of letters, digits, spaces, punctuation, accents, CJK, emoji and the added tokens'
+    /// texts (runs of one letter up to 300 long too, for merges over long words).
+    fn texts() -> Vec<String> {
+        let mut texts: Vec<String> = [
+            "<|im_start|>user\nHello, world! 12345 <|image_pad|><|im_end|>",
+            "  café naïve 東京 — \t\n\n  <tool_call>{\"x\": 1}</tool_call>",
+            "",
+            "don't  stop'll 'RE \u{1F600}",
+        ]
+        .map(str::to_owned)
+        .to_vec();
+        let pieces = [
+            "a",
+            "e",
+            "th",
+            "the",
+            "ing",
+            " ",
+            "  ",
+            "\n",
+            "\t",
+            "0",
+            "7",
+            "42",
+            ".",
+            ",",
+            "'s",
+            "\"",
+            "{",
+            "é",
+            "e\u{301}",
+            "ß",
+            "東",
+            "京",
+            "語",
+            "\u{1F600}",
+            "\u{200B}",
+            "<|im_end|>",
+            "<tool_call>",
+            "Z",
+            "q",
+        ];
+        let mut rng = fastrand::Rng::with_seed(29);
+        for _ in 0..300 {
+            let mut t = String::new();
+            for _ in 0..rng.usize(1..40) {
+                t.push_str(pieces[rng.usize(..pieces.len())]);
+            }
+            texts.push(t);
+        }
+        for n in [1, 2, 3, 17, 255, 256, 300] {
+            texts.push("a".repeat(n));
+            texts.push(format!(" {}", "0".repeat(n)));
+        }
+        texts
+    }
 
-    /// `bytes` read by [`parse`] and by the crate give the same tokenizer: every field serialized
-    /// alike, and the same ids for [`TEXTS`].
+    /// `bytes` read by [`parse`] and by the crate give the same tokenizer: the same text for every
+    /// id and the same id for every text, the same added tokens and pipeline, and the same ids,
+    /// offsets and decodings for every text of [`texts`].
     fn same_as_the_crate(bytes: &[u8], what: &str) {
         let ours = parse(bytes).unwrap_or_else(|| panic!("{what}: the direct reader declined"));
         let theirs = tokenizers::Tokenizer::from_bytes(bytes).unwrap();
+        for added in [false, true] {
+            assert_eq!(ours.get_vocab_size(added), theirs.get_vocab_size(added), "{what}");
+        }
+        assert_eq!(ours.get_vocab(true), theirs.get_vocab(true), "{what}");
+        for id in 0..theirs.get_vocab_size(true) as u32 + 2 {
+            assert_eq!(ours.id_to_token(id), theirs.id_to_token(id), "{what}: id {id}");
+        }
+        let json = |v: &dyn erased::Json| v.json();
         assert_eq!(
-            ours.to_string(false).unwrap(),
-            theirs.to_string(false).unwrap(),
+            json(&ours.get_added_tokens_decoder()),
+            json(&theirs.get_added_tokens_decoder()),
             "{what}"
         );
-        for text in TEXTS {
-            let ids = |t: &tokenizers::Tokenizer| t.encode_fast(text, false).unwrap().get_ids().to_vec();
-            assert_eq!(ids(&ours), ids(&theirs), "{what}: {text:?}");
+        assert_eq!(
+            json(&ours.get_normalizer()),
+            json(&theirs.get_normalizer()),
+            "{what}"
+        );
+        assert_eq!(
+            json(&ours.get_pre_tokenizer()),
+            json(&theirs.get_pre_tokenizer()),
+            "{what}"
+        );
+        assert_eq!(
+            json(&ours.get_post_processor()),
+            json(&theirs.get_post_processor()),
+            "{what}"
+        );
+        assert_eq!(json(&ours.get_decoder()), json(&theirs.get_decoder()), "{what}");
+        for text in texts() {
+            let (a, b) = (
+                ours.encode_fast(text.as_str(), false).unwrap(),
+                theirs.encode_fast(text.as_str(), false).unwrap(),
+            );
+            assert_eq!(a.get_ids(), b.get_ids(), "{what}: {text:?}");
+            assert_eq!(a.get_offsets(), b.get_offsets(), "{what}: {text:?}");
+            assert_eq!(a.get_tokens(), b.get_tokens(), "{what}: {text:?}");
+            for skip in [false, true] {
+                assert_eq!(
+                    ours.decode(a.get_ids(), skip).unwrap(),
+                    theirs.decode(b.get_ids(), skip).unwrap()
+                );
+            }
+            // The models alone, on pieces the pre-tokenizer never makes: whole texts in the
+            // byte-level alphabet, and as they are (characters outside the vocabulary dropped).
+            for piece in [byte_level(&text), text.clone()] {
+                let (a, b) = (
+                    ours.get_model().tokenize(&piece),
+                    theirs.get_model().tokenize(&piece),
+                );
+                assert_eq!(a.unwrap(), b.unwrap(), "{what}: {piece:?}");
+            }
+        }
+    }
+
+    /// `text`'s bytes as GPT-2's byte-level alphabet writes them: printable bytes as themselves,
+    /// the other 68 as U+0100 onwards, in byte order.
+    fn byte_level(text: &str) -> String {
+        let printable = |b: u8| matches!(b, 0x21..=0x7e | 0xa1..=0xac | 0xae..=0xff);
+        let others: Vec<u8> = (0..=255u8).filter(|&b| !printable(b)).collect();
+        let char_of = |b: u8| match others.iter().position(|&o| o == b) {
+            Some(i) => char::from_u32(0x100 + i as u32).unwrap(),
+            None => b as char,
+        };
+        text.bytes().map(char_of).collect()
+    }
+
+    /// Serializes anything serde can, for comparing the crate's components (which have no `PartialEq`).
+    mod erased {
+        pub trait Json {
+            fn json(&self) -> serde_json::Value;
+        }
+        impl<T: serde::Serialize> Json for T {
+            fn json(&self) -> serde_json::Value {
+                serde_json::to_value(self).unwrap()
+            }
         }
     }
 
@@ -274,7 +490,7 @@ mod tests {
     #[test]
     fn declines_what_it_does_not_read_as_the_crate_does() {
         type Edit = fn(&mut serde_json::Value);
-        let edits: [(&str, Edit); 6] = [
+        let edits: [(&str, Edit); 14] = [
             ("padding set", |j| {
                 j["padding"] = serde_json::json!({"strategy": "BatchLongest", "direction": "Right",
                     "pad_to_multiple_of": null, "pad_id": 0, "pad_type_id": 0, "pad_token": "!"})
@@ -290,6 +506,28 @@ mod tests {
             }),
             ("a merge of three parts", |j| {
                 j["model"]["merges"][0] = "a b c".into()
+            }),
+            ("a merge outside the vocabulary", |j| {
+                j["model"]["merges"][0] = "a \u{1F600}".into()
+            }),
+            ("dropout", |j| j["model"]["dropout"] = 0.5.into()),
+            ("an unknown token", |j| j["model"]["unk_token"] = "a".into()),
+            ("byte fallback", |j| j["model"]["byte_fallback"] = true.into()),
+            ("a subword prefix", |j| {
+                j["model"]["continuing_subword_prefix"] = "##".into()
+            }),
+            ("ids with a gap", |j| {
+                let n = j["model"]["vocab"].as_object().unwrap().len();
+                j["model"]["vocab"]["a"] = (n + 5).into();
+            }),
+            ("two texts with one id", |j| {
+                let b = j["model"]["vocab"]["b"].clone();
+                j["model"]["vocab"]["a"] = b;
+            }),
+            ("merges before the vocabulary", |j| {
+                let model = j["model"].as_object_mut().unwrap();
+                let vocab = model.remove("vocab").unwrap();
+                model.insert("vocab".into(), vocab);
             }),
         ];
         for (what, edit) in edits {

@@ -1,5 +1,6 @@
 //! Text to token ids and back: the Qwen BPE tokenizer and the chat templates of the supported families.
 
+mod bpe;
 pub mod chat;
 mod load;
 pub mod tojson;

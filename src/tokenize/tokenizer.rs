@@ -14,7 +14,9 @@ pub const TOKENIZER_FILE: &str = "tokenizer.json";
 
 /// Text to token ids and back, for the Qwen family (Qwen2, Qwen2.5-VL, Qwen3-VL).
 ///
-/// A thin wrapper over [`tokenizers::Tokenizer`] with the conventions recall needs:
+/// The `tokenizers` crate's pipeline (normaliser, pre-tokenizer, added tokens, decoder) around
+/// recall's byte-level BPE for the Qwen files (`bpe.rs`, loaded by `load.rs`), or around the crate's
+/// own model for any other file, with the conventions recall needs:
 ///
 /// * [`encode`](Self::encode) applies the file's normaliser (NFC for Qwen), recognises the text of added
 ///   tokens (`<|im_start|>`, `<|image_pad|>`, `<tool_call>`, ...) anywhere in the input and maps each to
@@ -42,8 +44,27 @@ pub const TOKENIZER_FILE: &str = "tokenizer.json";
 /// ```
 #[derive(Clone)]
 pub struct Tokenizer {
-    inner: tokenizers::Tokenizer,
+    inner: Inner,
     path: PathBuf,
+}
+
+/// The two ways a file loads: read directly into recall's BPE (`load.rs`, `bpe.rs`: the Qwen
+/// files), or through the crate (anything else).
+#[derive(Clone)]
+enum Inner {
+    Direct(Box<super::load::Direct>),
+    Crate(Box<tokenizers::Tokenizer>),
+}
+
+/// `$body` with `$t` bound to the wrapped tokenizer, whichever way it loaded (both have the
+/// crate's methods).
+macro_rules! with_inner {
+    ($self:expr, $t:ident => $body:expr) => {
+        match &$self.inner {
+            Inner::Direct($t) => $body,
+            Inner::Crate($t) => $body,
+        }
+    };
 }
 
 impl Tokenizer {
@@ -57,8 +78,8 @@ impl Tokenizer {
         // its deserialisation too, so that a bad file can never take the process down.
         // The direct reader (`load.rs`) when it reads the file exactly as the crate would, else the crate.
         let parsed = std::panic::catch_unwind(|| match super::load::parse(&bytes) {
-            Some(inner) => Ok(inner),
-            None => tokenizers::Tokenizer::from_bytes(&bytes),
+            Some(direct) => Ok(Inner::Direct(Box::new(direct))),
+            None => tokenizers::Tokenizer::from_bytes(&bytes).map(|t| Inner::Crate(Box::new(t))),
         });
         let inner = match parsed {
             Ok(Ok(inner)) => inner,
@@ -93,9 +114,7 @@ impl Tokenizer {
 
     /// Token ids of `text`: NFC-normalised, added-token text recognised as the added tokens, no BOS/EOS.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let encoding = self
-            .inner
-            .encode_fast(text, false)
+        let encoding = with_inner!(self, t => t.encode_fast(text, false))
             .map_err(|e| Error::Tokenizer(format!("cannot encode text: {e}")))?;
         Ok(encoding.get_ids().to_vec())
     }
@@ -106,16 +125,14 @@ impl Tokenizer {
     /// Ids outside the vocabulary (for example the padding rows of a model's embedding matrix) decode to
     /// nothing, as in Hugging Face `tokenizers`; check with [`token_text`](Self::token_text) if that matters.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.inner
-            .decode(ids, false)
+        with_inner!(self, t => t.decode(ids, false))
             .map_err(|e| Error::Tokenizer(format!("cannot decode ids: {e}")))
     }
 
     /// The text of `ids` as a chat API returns it: special tokens (`<|im_end|>`, ...) left out, added
     /// tokens that are not special (`<tool_call>`) kept — `skip_special_tokens = true`.
     pub fn decode_text(&self, ids: &[u32]) -> Result<String> {
-        self.inner
-            .decode(ids, true)
+        with_inner!(self, t => t.decode(ids, true))
             .map_err(|e| Error::Tokenizer(format!("cannot decode ids: {e}")))
     }
 
@@ -133,7 +150,7 @@ impl Tokenizer {
     /// # Ok::<(), recall::Error>(())
     /// ```
     pub fn token_bytes(&self, id: u32) -> Vec<u8> {
-        let Some(piece) = self.inner.id_to_token(id) else {
+        let Some(piece) = self.token_text(id) else {
             return Vec::new();
         };
         let mut out = Vec::with_capacity(piece.len());
@@ -149,24 +166,19 @@ impl Tokenizer {
     /// The id of a token given as it appears in the vocabulary: an added token's text
     /// (`"<|im_end|>"`) or a BPE token in byte-level form (`"Ġthe"` for `" the"`).
     pub fn token_id(&self, token: &str) -> Option<u32> {
-        self.inner.token_to_id(token)
+        with_inner!(self, t => t.token_to_id(token))
     }
 
     /// The vocabulary entry of `id`, the inverse of [`token_id`](Self::token_id): an added token's text,
     /// or a BPE token in byte-level form (`"Ġthe"`). Use [`decode`](Self::decode) for display text.
     pub fn token_text(&self, id: u32) -> Option<String> {
-        self.inner.id_to_token(id)
+        with_inner!(self, t => t.id_to_token(id))
     }
 
     /// Number of tokens, added tokens included (151,669 for Qwen2.5-VL / Qwen3-VL). Model embedding
     /// matrices are usually padded beyond this (151,936 rows).
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
-    }
-
-    /// The wrapped Hugging Face tokenizer, for anything this type does not expose.
-    pub fn inner(&self) -> &tokenizers::Tokenizer {
-        &self.inner
+        with_inner!(self, t => t.get_vocab_size(true))
     }
 }
 
@@ -213,7 +225,7 @@ mod tests {
         let path = dir.path().join("tokenizer.json");
         std::fs::write(&path, serde_json::to_vec(&json).unwrap()).unwrap();
         let tok = Tokenizer::from_file(&path).unwrap();
-        assert!(tok.inner().get_padding().is_some());
+        assert!(matches!(&tok.inner, Inner::Crate(t) if t.get_padding().is_some()));
         assert_eq!(
             tok.encode("<|im_start|>").unwrap(),
             [tok.token_id("<|im_start|>").unwrap()]
