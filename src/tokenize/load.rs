@@ -469,6 +469,23 @@ mod tests {
         }
     }
 
+    #[test]
+    fn saves_vocabulary_and_merges_as_the_crate_does() {
+        let bytes = serde_json::to_vec(&tiny()).unwrap();
+        let (ours, theirs) = (
+            parse(&bytes).unwrap(),
+            tokenizers::Tokenizer::from_bytes(&bytes).unwrap(),
+        );
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let saved_a = ours.get_model().save(a.path(), Some("tiny")).unwrap();
+        let saved_b = theirs.get_model().save(b.path(), Some("tiny")).unwrap();
+        assert_eq!(saved_a.len(), saved_b.len());
+        for (x, y) in saved_a.iter().zip(&saved_b) {
+            assert_eq!(x.file_name(), y.file_name());
+            assert_eq!(std::fs::read(x).unwrap(), std::fs::read(y).unwrap(), "{x:?}");
+        }
+    }
+
     /// The tiny fixture's tokenizer as JSON, to edit.
     fn tiny() -> serde_json::Value {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-tokenizer/tokenizer.json");
