@@ -12,7 +12,7 @@
 //! loads through the crate. Within it, [`Bpe::tokenize`] is the crate's algorithm: the characters
 //! of the piece as tokens (a character outside the vocabulary is dropped, as the crate drops it
 //! when there is no unknown token), then, over and over, the merge of lowest rank, the leftmost on
-//! a tie, until none applies. The tests compare it with the crate's BPE on every vocabulary in the
+//! a tie, until none applies. The tests in `load.rs` compare it with the crate's BPE on every vocabulary in the
 //! repository; `tests/tokenizer.rs` compares whole encodings with tiktoken.
 
 use std::cmp::Reverse;
@@ -53,13 +53,18 @@ impl Vocab {
         self.index.find(hash, |&id| self.get(id) == Some(token)).copied()
     }
 
-    fn at(&self, (start, end): Span) -> &str {
-        &self.text[start as usize..end as usize]
+    fn at(&self, span: Span) -> &str {
+        text_at(&self.text, span)
     }
 
     pub(super) fn len(&self) -> usize {
         self.spans.len()
     }
+}
+
+/// The text `span` marks in `text`.
+fn text_at(text: &str, (start, end): Span) -> &str {
+    &text[start as usize..end as usize]
 }
 
 /// Collects a vocabulary as a `tokenizer.json` lists it: texts with their ids, in any order.
@@ -105,10 +110,7 @@ impl VocabBuilder {
                 return None;
             }
             let (text, spans, hasher) = (&vocab.text, &vocab.spans, &vocab.hasher);
-            let rehash = |&j: &u32| {
-                let (s, e) = spans[j as usize];
-                hasher.hash_one(&text[s as usize..e as usize])
-            };
+            let rehash = |&j: &u32| hasher.hash_one(text_at(text, spans[j as usize]));
             vocab.index.insert_unique(hash, id, rehash);
         }
         Some(vocab)
