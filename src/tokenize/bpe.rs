@@ -12,8 +12,8 @@
 //! loads through the crate. Within it, [`Bpe::tokenize`] is the crate's algorithm: the characters
 //! of the piece as tokens (a character outside the vocabulary is dropped, as the crate drops it
 //! when there is no unknown token), then, over and over, the merge of lowest rank, the leftmost on
-//! a tie, until none applies. The tests in `load.rs` compare it with the crate's BPE on every vocabulary in the
-//! repository; `tests/tokenizer.rs` compares whole encodings with tiktoken.
+//! a tie, until none applies. The tests in `load.rs` compare it with the crate's BPE on every
+//! vocabulary in the repository; `tests/tokenizer.rs` compares whole encodings with tiktoken.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
