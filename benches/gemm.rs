@@ -4,10 +4,10 @@
 //! registers on every thread. `read` measures the memory read bandwidth decode is bound by: every
 //! thread sums its share of a 2 GiB buffer (larger than any cache; about the 2B shape's f32 weights
 //! at 4 layers, `lm_head` included). `cargo bench --bench gemm`; `tools/cpu_compare.py` measures
-//! PyTorch's 2048³ matmul.
+//! PyTorch's 2048³ matmul. `gemm_bf16_dot_*` times the opt-in bf16 products where the CPU has them.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use recall::backend::cpu::gemm::{gemm, Matrix, RowMajor};
+use recall::backend::cpu::gemm::{gemm, gemm_bf16_dot, Bf16Kernel, Matrix, RowMajor};
 
 /// A random weight `[n, k]` as a checkpoint stores it: f32 values or bf16 little-endian bytes.
 enum Stored {
@@ -95,5 +95,30 @@ fn bench(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, peak, read, bench);
+/// The opt-in bf16 products (`--cpu-bf16-dot`) on the kernel this CPU picks (AMX where it has
+/// it), at the prefill shapes: the GEMM whose speed `--cpu-bf16-dot` prefills at.
+fn bench_bf16_dot(c: &mut Criterion) {
+    let Some(kernel) = Bf16Kernel::detect() else {
+        return; // no AVX512-BF16 on this CPU
+    };
+    let mut g = c.benchmark_group(format!("gemm_bf16_dot_{kernel:?}"));
+    g.sample_size(10);
+    for &(m, n, k, name) in &[
+        (2048, 2048, 2048, "2048^3"),
+        (1278, 6144, 2048, "2b_up_1278"),
+        (1278, 2048, 6144, "2b_down_1278"),
+        (1278, 1024, 2048, "2b_kv_1278"),
+        (8, 6144, 2048, "2b_up_8_rows"),
+    ] {
+        let s = stored(n, k, true);
+        let w = matrix(&s, n, k);
+        let x: Vec<f32> = (0..m * k).map(|i| ((i % 97) as f32) * 0.01 - 0.4).collect();
+        let mut y = vec![0f32; m * n];
+        g.throughput(Throughput::Elements((2 * m * n * k) as u64));
+        g.bench_function(name, |b| b.iter(|| gemm_bf16_dot(&x, m, &w, None, &mut y)));
+    }
+    g.finish();
+}
+
+criterion_group!(benches, peak, read, bench, bench_bf16_dot);
 criterion_main!(benches);

@@ -18,6 +18,14 @@
 //! (measured bitwise on random tiles, and `tests/cpu_bf16_dot.rs` checks rows alone against the
 //! same rows in a many-row call), so both give the same bits.
 //!
+//! What sets its speed (docs/PERFORMANCE.md, 2026-12-07): a tile load costs more than the product
+//! it feeds, so the loads are kept cheap. Every tile the many-row kernel loads starts on a 64-byte
+//! line ([`Lines`]; a tile row across two lines is two loads, and unaligned tiles took 2.5 times as
+//! long). `x` is laid out tile by tile ([`tile_rows`], on all threads), because rows `2k` bytes
+//! apart put a tile's 16 rows in one L1 set. Whole 32 × 32 blocks of sums start from `tilezero` and
+//! load and store in `y` itself. Decode reads the weight's rows where the checkpoint put them,
+//! aligned or not (copying them to lines first was slower).
+//!
 //! The tiles are named in `asm!` (the compiler never uses them, so they keep their contents
 //! between the blocks of one kernel call): tmm0–3 the 2 × 2 sums (32 rows × 2 panels), tmm4–5
 //! two row tiles of `x`, tmm6–7 two panel tiles.
@@ -33,8 +41,9 @@ const TR: usize = 16;
 const TS: usize = 16;
 /// Pair steps per packed block of a many-row call (2,048 values of `k`).
 const WIDE_PAIRS: usize = 1024;
-/// Panels per packed block of a many-row call (1.5 MiB of pairs).
-const WIDE_PANELS: usize = 24;
+/// Panels per packed block of a many-row call (1 MiB of pairs; with 24 panels, 1.5 MiB, the
+/// prefill shapes ran 5–15% slower: docs/PERFORMANCE.md, 2026-12-07).
+const WIDE_PANELS: usize = 16;
 /// Pair steps and panels per block of a call of fewer than 32 rows (16 KiB).
 const NARROW: (usize, usize) = (2, 128);
 
@@ -71,15 +80,101 @@ fn request_tiles() -> bool {
     false
 }
 
-/// `x`'s pairs (from `dot_bf16::round_pairs`, `[m][kp]`) copied into rows of `kpp` words (`kp`
-/// rounded up to 16) and `m` rounded up to 16 rows, the rest zero: whole tiles to load.
-pub(super) fn pad_rows(a: &[u32], m: usize, kp: usize) -> (Vec<u32>, usize) {
-    let kpp = kp.div_ceil(TS) * TS;
-    let mut out = vec![0u32; m.div_ceil(TR) * TR * kpp];
-    for r in 0..m {
-        out[r * kpp..r * kpp + kp].copy_from_slice(&a[r * kp..(r + 1) * kp]);
+/// 64 bytes on a 64-byte boundary: what every tile a kernel loads starts on. A tile row that
+/// straddles two cache lines costs two loads; unaligned tiles took 2.5 times as long
+/// (docs/PERFORMANCE.md, 2026-12-07).
+#[derive(Debug, Clone, Copy, Default)]
+#[repr(C, align(64))]
+pub(super) struct Line([u32; TS]);
+
+/// A buffer of 32-bit words in whole, aligned [`Line`]s.
+#[derive(Debug, Default)]
+pub(super) struct Lines(Vec<Line>);
+
+impl Lines {
+    /// At least `words` zero words, from the allocator's zeroed memory (fresh pages are not
+    /// written twice, as `vec![0; n]` does).
+    pub(super) fn zeroed(words: usize) -> Lines {
+        let len = words.div_ceil(TS);
+        if len == 0 {
+            return Lines::default();
+        }
+        let layout = std::alloc::Layout::array::<Line>(len).expect("a buffer within memory");
+        // SAFETY: `layout` has a non-zero size; all-zero bytes are a valid `Line`; the pointer
+        // comes from the global allocator with the layout `Vec<Line>` uses for capacity `len`.
+        unsafe {
+            let ptr = std::alloc::alloc_zeroed(layout).cast::<Line>();
+            if ptr.is_null() {
+                std::alloc::handle_alloc_error(layout);
+            }
+            Lines(Vec::from_raw_parts(ptr, len, len))
+        }
     }
-    (out, kpp)
+
+    /// At least `words` words, the new ones zero.
+    fn grow(&mut self, words: usize) {
+        self.0
+            .resize(self.0.len().max(words.div_ceil(TS)), Line::default());
+    }
+
+    pub(super) fn words(&self) -> &[u32] {
+        // SAFETY: a `Line` is 16 `u32`s with no padding (`repr(C)`, 64 bytes), so the lines are
+        // `16 · len` initialised words.
+        unsafe { std::slice::from_raw_parts(self.0.as_ptr().cast(), self.0.len() * TS) }
+    }
+
+    fn words_mut(&mut self) -> &mut [u32] {
+        // SAFETY: as in `words`, borrowed mutably.
+        unsafe { std::slice::from_raw_parts_mut(self.0.as_mut_ptr().cast(), self.0.len() * TS) }
+    }
+}
+
+/// Sums of tiles spilled to memory, aligned like a [`Line`].
+#[derive(Debug, Clone, Copy)]
+#[repr(C, align(64))]
+struct Aligned<T>(T);
+
+/// `x` (`[m, k]`, `k` even) rounded to bf16 pairs as `dot_bf16::round_pairs` rounds them, laid
+/// out as whole tiles, each 1 KiB contiguous: `[m / 16][steps][16 rows][16 words]` (`steps`: the
+/// `k / 2` pairs in groups of 16, rounded up; `m` rounded up to 16 rows; the rest zero), and
+/// `steps`. A tile loaded from the rows of a row-major copy would take its 16 rows `2k` bytes
+/// apart, a multiple of 4 KiB at every Qwen-VL width: one L1 set for all of them. Row tiles are
+/// rounded on all threads.
+pub(super) fn tile_rows(x: &[f32], m: usize, k: usize) -> (Lines, usize) {
+    use rayon::prelude::*;
+    assert!(
+        k.is_multiple_of(2) && x.len() == m * k,
+        "x is [m, k] with an even k"
+    );
+    let kp = k / 2;
+    let steps = kp.div_ceil(TS);
+    // A line is one row's 16 pairs of one step; a tile is `steps × 16` lines.
+    let tile_lines = steps * TR;
+    let len = m.div_ceil(TR) * tile_lines;
+    let mut lines = Vec::with_capacity(len);
+    lines.spare_capacity_mut()[..len]
+        .par_chunks_mut(tile_lines)
+        .enumerate()
+        .for_each(|(t, tile)| {
+            let mut row = vec![0u32; kp];
+            for j in 0..TR {
+                let r = t * TR + j;
+                if r < m {
+                    super::dot_bf16::round_pairs_into(&x[r * k..(r + 1) * k], &mut row);
+                }
+                for s in 0..steps {
+                    let mut line = Line::default();
+                    if r < m {
+                        let pairs = &row[s * TS..kp.min((s + 1) * TS)];
+                        line.0[..pairs.len()].copy_from_slice(pairs);
+                    }
+                    tile[s * TR + j].write(line);
+                }
+            }
+        });
+    // SAFETY: the loop above wrote every one of the `len` lines.
+    unsafe { lines.set_len(len) };
+    (Lines(lines), steps)
 }
 
 /// Rows up to which a call runs the swapped kernel ([`few_rows`]).
@@ -87,16 +182,17 @@ pub(super) const FEW_ROWS: usize = TR;
 
 /// `x`'s pairs (`[m][kp]`, `m` ≤ 16) transposed to `[kpp][16]` (`kpp`: `kp` rounded up to 16),
 /// zero past `m` and `kp`: the second operand of the swapped kernel.
-pub(super) fn transpose_rows(a: &[u32], m: usize, kp: usize) -> (Vec<u32>, usize) {
+pub(super) fn transpose_rows(a: &[u32], m: usize, kp: usize) -> (Lines, usize) {
     assert!(m <= FEW_ROWS && a.len() >= m * kp, "at most 16 rows");
     let kpp = kp.div_ceil(TS) * TS;
-    let mut out = vec![0u32; kpp * TR];
+    let mut lines = Lines::zeroed(kpp * TR);
+    let out = lines.words_mut();
     for r in 0..m {
         for i in 0..kp {
             out[i * TR + r] = a[r * kp + i];
         }
     }
-    (out, kpp)
+    (lines, kpp)
 }
 
 /// Columns of panels `p0..p1` of `y` for `m` ≤ 16 rows (`xt` from [`transpose_rows`]): two
@@ -119,8 +215,8 @@ pub(super) fn few_rows(
         "rows of x and y"
     );
     let whole_steps = k / 2 / TS;
-    let mut pad = [[0u32; TS]; TR];
-    let mut sums = [[[0f32; TR]; NR]; 2];
+    let mut pad = Aligned([[0u32; TS]; TR]);
+    let mut sums = Aligned([[[0f32; TR]; NR]; 2]);
     // SAFETY: `available()` was checked by the caller (`gemm_bf16_dot`).
     unsafe { x86::configure() };
     for p in (p0..p1).step_by(2) {
@@ -141,15 +237,15 @@ pub(super) fn few_rows(
                     // SAFETY: the 16 rows of 64 bytes from `at`, `2k` apart, lie inside `bytes`.
                     unsafe { x86::dot_rows(q, bytes.as_ptr().add(at), 2 * k) };
                 } else {
-                    pad_step(bytes, (n, k), c0, s, &mut pad);
+                    pad_step(bytes, (n, k), c0, s, &mut pad.0);
                     // SAFETY: `pad` is 16 rows of 64 bytes.
-                    unsafe { x86::dot_rows(q, pad.as_ptr().cast(), 4 * TS) };
+                    unsafe { x86::dot_rows(q, pad.0.as_ptr().cast(), 4 * TS) };
                 }
             }
         }
         // SAFETY: `sums` holds two 16 × 16 tiles.
-        unsafe { x86::store_sums(&mut sums) };
-        for (q, tile) in sums.iter().enumerate().take(np) {
+        unsafe { x86::store_sums(&mut sums.0) };
+        for (q, tile) in sums.0.iter().enumerate().take(np) {
             let c0 = (p + q) * NR;
             for (j, col) in tile.iter().enumerate().take(n.saturating_sub(c0).min(NR)) {
                 for (r, v) in col.iter().enumerate().take(m) {
@@ -179,13 +275,13 @@ fn pad_step(bytes: &[u8], (n, k): (usize, usize), c0: usize, s: usize, pad: &mut
 
 thread_local! {
     /// Each thread's packed block of pairs, reused across calls.
-    static PAIRS: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
+    static PAIRS: std::cell::RefCell<Lines> = const { std::cell::RefCell::new(Lines(Vec::new())) };
 }
 
-/// Columns of panels `p0..p1` of `y` (`[m, w.n]`) for every row of `a` (from [`pad_rows`]).
+/// Columns of panels `p0..p1` of `y` (`[m, w.n]`) for every row of `a` (from [`tile_rows`]).
 pub(super) fn panel_range(
     a: &[u32],
-    kpp: usize,
+    steps: usize,
     m: usize,
     w: &Matrix<'_>,
     (p0, p1): (usize, usize),
@@ -193,7 +289,7 @@ pub(super) fn panel_range(
 ) {
     let kp = w.k / 2;
     assert!(
-        a.len() >= m.div_ceil(TR) * TR * kpp && y.len() >= m * w.n,
+        a.len() >= m.div_ceil(TR) * steps * TR * TS && y.len() >= m * w.n,
         "rows of a and y"
     );
     let (block_panels, block_pairs) = if m >= 32 {
@@ -203,8 +299,9 @@ pub(super) fn panel_range(
     };
     // SAFETY: `available()` was checked by the caller (`gemm_bf16_dot`).
     unsafe { x86::configure() };
-    PAIRS.with_borrow_mut(|buf| {
-        buf.resize(block_panels * block_pairs * NR, 0);
+    PAIRS.with_borrow_mut(|lines| {
+        lines.grow(block_panels * block_pairs * NR);
+        let buf = lines.words_mut();
         for s0 in (p0..p1).step_by(block_panels) {
             let s1 = (s0 + block_panels).min(p1);
             for i0 in (0..kp).step_by(block_pairs) {
@@ -217,7 +314,7 @@ pub(super) fn panel_range(
                 }
                 let block = Block {
                     a,
-                    kpp,
+                    steps,
                     i0,
                     icp,
                     panels: &buf[..(s1 - s0) * icp * NR],
@@ -231,11 +328,11 @@ pub(super) fn panel_range(
     unsafe { x86::release() };
 }
 
-/// One packed block: pair steps `i0..i0 + icp` of the rows of `a` (`kpp` words each) and panels
-/// from `s0` on (`icp · 16` words apart).
+/// One packed block: pair steps `i0..i0 + icp` of the row tiles of `a` (`steps` tiles each) and
+/// panels from `s0` on (`icp · 16` words apart).
 struct Block<'a> {
     a: &'a [u32],
-    kpp: usize,
+    steps: usize,
     i0: usize,
     icp: usize,
     panels: &'a [u32],
@@ -245,37 +342,53 @@ struct Block<'a> {
 /// A [`Block`] over all rows and panels `p0..p1`, 32 rows × 2 panels per kernel call; the sums
 /// of the earlier blocks come from `y` and go back there.
 fn block_pass(b: &Block<'_>, (m, n): (usize, usize), (p0, p1): (usize, usize), y: &mut [f32]) {
-    let mut sums = [[0f32; 2 * NR]; 2 * TR];
+    // Tiles that run past `m` or `n` carry their sums here; whole 32 × 32 tiles load and store
+    // theirs in `y` itself. Stale sums outside a partial tile's rows and columns are never read.
+    let mut sums = Aligned([[0f32; 2 * NR]; 2 * TR]);
+    let sums = &mut sums.0;
+    let tile_words = b.steps * TR * TS;
+    let fresh = b.i0 == 0;
     for r0 in (0..m).step_by(2 * TR) {
         let tiles_r = if m - r0 > TR { 2 } else { 1 };
+        let rows = (m - r0).min(2 * TR);
+        let x = &b.a[r0 / TR * tile_words + b.i0 * TR..];
+        assert!(
+            x.len() >= (tiles_r - 1) * tile_words + b.icp * TR,
+            "rows of the tiles"
+        );
         for p in (p0..p1).step_by(2) {
             let tiles_p = (p1 - p).min(2);
             let c0 = p * NR;
             let cols = (tiles_p * NR).min(n - c0);
-            let rows = (m - r0).min(2 * TR);
-            for (i, s) in sums.iter_mut().enumerate() {
-                s.fill(0.0);
-                if b.i0 > 0 && i < rows {
-                    s[..cols].copy_from_slice(&y[(r0 + i) * n + c0..(r0 + i) * n + c0 + cols]);
-                }
-            }
-            let x = &b.a[r0 * b.kpp + b.i0..];
             let panels = &b.panels[(p - b.s0) * b.icp * NR..];
-            assert!(x.len() >= (tiles_r * TR - 1) * b.kpp + b.icp, "rows of the tiles");
             assert!(panels.len() >= tiles_p * b.icp * NR, "panels of the tiles");
-            // SAFETY: the tiles are configured (`panel_range`); the bounds are asserted above.
-            unsafe {
-                x86::kernel(
-                    x.as_ptr(),
-                    b.kpp,
-                    panels.as_ptr(),
-                    b.icp,
-                    (tiles_r, tiles_p),
-                    &mut sums,
-                )
+            let whole = rows == 2 * TR && cols == 2 * NR;
+            let (c, ldc) = if whole {
+                (y[r0 * n + c0..].as_mut_ptr(), n * 4)
+            } else {
+                if !fresh {
+                    for (i, s) in sums.iter_mut().enumerate().take(rows) {
+                        s[..cols].copy_from_slice(&y[(r0 + i) * n + c0..][..cols]);
+                    }
+                }
+                (sums.as_mut_ptr().cast::<f32>(), 2 * NR * 4)
             };
-            for (i, s) in sums.iter().enumerate().take(rows) {
-                y[(r0 + i) * n + c0..(r0 + i) * n + c0 + cols].copy_from_slice(&s[..cols]);
+            // SAFETY: the tiles are configured (`panel_range`); `x` and the panels hold what
+            // the tiles read (asserted above); `c` is 32 rows of 32 sums `ldc` bytes apart, in
+            // `y` (a whole tile: rows `r0..r0 + 32`, columns `c0..c0 + 32`) or in `sums`.
+            unsafe {
+                let operands = x86::Operands {
+                    x: x.as_ptr(),
+                    tile_words,
+                    w: panels.as_ptr(),
+                    icp: b.icp,
+                };
+                x86::kernel(&operands, (tiles_r, tiles_p), c, ldc, fresh)
+            };
+            if !whole {
+                for (i, s) in sums.iter().enumerate().take(rows) {
+                    y[(r0 + i) * n + c0..][..cols].copy_from_slice(&s[..cols]);
+                }
             }
         }
     }
@@ -349,37 +462,60 @@ mod x86 {
         asm!("tilerelease", options(nostack, nomem));
     }
 
-    /// `sums[32][32]` (rows × 2 panels; only `tiles` of the 2 × 2 tiles used) += the products of
-    /// `x` (rows `kpp` words apart) and the panels (`icp · 16` words apart) over `icp` pair steps.
+    /// One kernel call's operands: row tiles of `x` (16 × 16 words, contiguous by step; the second
+    /// row tile `tile_words` after the first) and panels (`icp · 16` words apart), `icp` pair steps.
+    pub struct Operands {
+        pub x: *const u32,
+        pub tile_words: usize,
+        pub w: *const u32,
+        pub icp: usize,
+    }
+
+    /// The sums `c` (32 rows of 32, `ldc` bytes apart; only `tiles` of the 2 × 2 tiles used),
+    /// from zero when `fresh`, += the products of the operands' `tiles.0` row tiles and `tiles.1`
+    /// panels.
     ///
     /// # Safety
-    /// Tiles configured; `x` holds `16 · tiles.0` rows of `icp` words, the panels `tiles.1` panels.
-    pub unsafe fn kernel(
-        x: *const u32,
-        kpp: usize,
-        w: *const u32,
-        icp: usize,
-        tiles: (usize, usize),
-        sums: &mut [[f32; 2 * NR]; 2 * TR],
-    ) {
-        let c = sums.as_mut_ptr().cast::<f32>();
-        let (ldc, ldx) = (2 * NR * 4, kpp * 4);
-        let (c01, c10, c11) = (c.add(NR), c.add(TR * 2 * NR), c.add(TR * 2 * NR + NR));
-        asm!("tileloadd tmm0, [{c} + {ld}*1]", "tileloadd tmm1, [{c01} + {ld}*1]",
-             "tileloadd tmm2, [{c10} + {ld}*1]", "tileloadd tmm3, [{c11} + {ld}*1]",
-             c = in(reg) c, c01 = in(reg) c01, c10 = in(reg) c10, c11 = in(reg) c11, ld = in(reg) ldc,
-             options(nostack, readonly));
+    /// Tiles configured; the operands hold `tiles.0` row tiles of `icp / 16` steps and `tiles.1`
+    /// panels; `c` the 2 × 2 tiles' rows, readable and writable.
+    pub unsafe fn kernel(o: &Operands, tiles: (usize, usize), c: *mut f32, ldc: usize, fresh: bool) {
+        let Operands {
+            x,
+            tile_words,
+            w,
+            icp,
+        } = *o;
+        let ldx = TS * 4;
+        let (c01, c10) = (c.add(NR), c.byte_add(TR * ldc));
+        let c11 = c10.add(NR);
+        if fresh {
+            asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                options(nostack, nomem)
+            );
+        } else {
+            asm!("tileloadd tmm0, [{c} + {ld}*1]", "tileloadd tmm1, [{c01} + {ld}*1]",
+                 "tileloadd tmm2, [{c10} + {ld}*1]", "tileloadd tmm3, [{c11} + {ld}*1]",
+                 c = in(reg) c, c01 = in(reg) c01, c10 = in(reg) c10, c11 = in(reg) c11, ld = in(reg) ldc,
+                 options(nostack, readonly));
+        }
         let panel = icp * NR;
         for s in (0..icp).step_by(TS) {
             // The second row tile and panel are only read when `tiles` has them.
-            let (x0, x1) = (x.add(s), x.wrapping_add(TR * kpp + s));
+            let (x0, x1) = (x.add(s * TR), x.wrapping_add(tile_words + s * TR));
             let (w0, w1) = (w.add(s * NR), w.wrapping_add(panel + s * NR));
             match tiles {
+                // Each load just before the first product that needs it: the tiles are not
+                // renamed, so a load waits for the products still reading its tile.
                 (2, 2) => asm!(
-                    "tileloadd tmm4, [{x0} + {ldx}*1]", "tileloadd tmm5, [{x1} + {ldx}*1]",
-                    "tileloadd tmm6, [{w0} + {ldw}*1]", "tileloadd tmm7, [{w1} + {ldw}*1]",
-                    "tdpbf16ps tmm0, tmm4, tmm6", "tdpbf16ps tmm1, tmm4, tmm7",
-                    "tdpbf16ps tmm2, tmm5, tmm6", "tdpbf16ps tmm3, tmm5, tmm7",
+                    "tileloadd tmm4, [{x0} + {ldx}*1]", "tileloadd tmm6, [{w0} + {ldw}*1]",
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tileloadd tmm7, [{w1} + {ldw}*1]", "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tileloadd tmm5, [{x1} + {ldx}*1]", "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
                     x0 = in(reg) x0, x1 = in(reg) x1, w0 = in(reg) w0, w1 = in(reg) w1,
                     ldx = in(reg) ldx, ldw = in(reg) 64usize, options(nostack, readonly)),
                 (2, _) => asm!(

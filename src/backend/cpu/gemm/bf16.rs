@@ -120,17 +120,22 @@ pub fn gemm_bf16_dot_with(
     #[cfg(target_arch = "x86_64")]
     {
         assert_eq!(x.len(), m * w.k, "x is not [{m}, {}]", w.k);
-        let a = dot_bf16::round_pairs(x);
         match kernel {
             Bf16Kernel::Amx if m <= amx::FEW_ROWS => {
+                let a = dot_bf16::round_pairs(x);
                 let (xt, kpp) = amx::transpose_rows(&a, m, w.k / 2);
-                by_panels(x, m, w, bias, y, |p, y| amx::few_rows(&xt, kpp, m, w, p, y));
+                by_panels(x, m, w, bias, y, |p, y| {
+                    amx::few_rows(xt.words(), kpp, m, w, p, y)
+                });
             }
             Bf16Kernel::Amx => {
-                let (a, kpp) = amx::pad_rows(&a, m, w.k / 2);
-                by_panels(x, m, w, bias, y, |p, y| amx::panel_range(&a, kpp, m, w, p, y));
+                let (a, steps) = amx::tile_rows(x, m, w.k);
+                by_panels(x, m, w, bias, y, |p, y| {
+                    amx::panel_range(a.words(), steps, m, w, p, y)
+                });
             }
             Bf16Kernel::Avx512Bf16 => {
+                let a = dot_bf16::round_pairs(x);
                 by_panels(x, m, w, bias, y, |(p0, p1), y| {
                     dot_bf16::panel_range(&a, m, w, p0, p1, y)
                 });

@@ -40,12 +40,18 @@ pub(super) fn available() -> bool {
 /// `x` (`[m, k]`, `k` even) rounded to bf16, each pair of neighbours in one word: element `2i` in
 /// the low half, `2i + 1` in the high half (the layout `VDPBF16PS` reads).
 pub(super) fn round_pairs(x: &[f32]) -> Vec<u32> {
+    let mut out = vec![0u32; x.len() / 2];
+    round_pairs_into(x, &mut out);
+    out
+}
+
+/// [`round_pairs`] into `out` (`x.len() / 2` words).
+pub(super) fn round_pairs_into(x: &[f32], out: &mut [u32]) {
     assert!(available(), "AVX512-BF16 is not available on this CPU");
     assert!(x.len().is_multiple_of(2), "pairs of values");
-    let mut out = vec![0u32; x.len() / 2];
+    assert_eq!(out.len(), x.len() / 2, "a word per pair");
     // SAFETY: the CPU has AVX512-BF16 (asserted); `out` holds half as many words as `x` values.
-    unsafe { x86::round_pairs(x, &mut out) };
-    out
+    unsafe { x86::round_pairs(x, out) };
 }
 
 thread_local! {
