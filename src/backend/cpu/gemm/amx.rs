@@ -80,8 +80,8 @@ fn request_tiles() -> bool {
     false
 }
 
-/// 64 bytes on a 64-byte boundary: what every tile a kernel loads starts on. A tile row that
-/// straddles two cache lines costs two loads; unaligned tiles took 2.5 times as long
+/// 64 bytes on a 64-byte boundary: what every tile the many-row kernel loads starts on. A tile
+/// row that straddles two cache lines costs two loads; unaligned tiles took 2.5 times as long
 /// (docs/PERFORMANCE.md, 2026-12-07).
 #[derive(Debug, Clone, Copy, Default)]
 #[repr(C, align(64))]
@@ -129,7 +129,8 @@ impl Lines {
     }
 }
 
-/// Sums of tiles spilled to memory, aligned like a [`Line`].
+/// A value on a 64-byte boundary, like a [`Line`]: the sums and zero-padded steps that tiles are
+/// stored to and loaded from.
 #[derive(Debug, Clone, Copy)]
 #[repr(C, align(64))]
 struct Aligned<T>(T);
