@@ -377,9 +377,30 @@ fn by_panels(
     y: &mut [f32],
     range: impl Fn((usize, usize), &mut [f32]) + Sync,
 ) {
+    // Each task owns a run of panels (whole groups of NP: the kernel's width) for every row; tasks
+    // write disjoint columns of y. About 8 tasks per thread, so that the last ones even out the
+    // threads' shares (with 4 per thread, 2048 columns left one of 2 cores idle a tenth of the time).
+    // The partition depends on the thread count, never the arithmetic.
+    let groups = w.n.div_ceil(NR).div_ceil(NP);
+    let per_task = groups.div_ceil(rayon::current_num_threads() * 8).max(1) * NP;
+    by_panel_runs(x, m, w, bias, y, per_task, range)
+}
+
+/// [`by_panels`] with runs of `per_task` panels per task (a kernel whose block of the weight is
+/// worth a long pass over `x` takes fewer, longer runs).
+fn by_panel_runs(
+    x: &[f32],
+    m: usize,
+    w: &Matrix<'_>,
+    bias: Option<&[f32]>,
+    y: &mut [f32],
+    per_task: usize,
+    range: impl Fn((usize, usize), &mut [f32]) + Sync,
+) {
     let (k, n) = (w.k, w.n);
     assert_eq!(x.len(), m * k, "x is not [{m}, {k}]");
     assert_eq!(y.len(), m * n, "y is not [{m}, {n}]");
+    assert!(per_task > 0, "a task holds panels");
     if m == 0 || n == 0 {
         return;
     }
@@ -388,12 +409,6 @@ fn by_panels(
         y.fill(0.0);
     }
     let panels = n.div_ceil(NR);
-    // Each task owns a run of panels (whole groups of NP: the kernel's width) for every row; tasks
-    // write disjoint columns of y. About 8 tasks per thread, so that the last ones even out the
-    // threads' shares (with 4 per thread, 2048 columns left one of 2 cores idle a tenth of the time).
-    // The partition depends on the thread count, never the arithmetic.
-    let groups = panels.div_ceil(NP);
-    let per_task = groups.div_ceil(rayon::current_num_threads() * 8).max(1) * NP;
     let y_addr = y.as_mut_ptr() as usize;
     (0..panels.div_ceil(per_task)).into_par_iter().for_each(|t| {
         let (p0, p1) = (t * per_task, ((t + 1) * per_task).min(panels));

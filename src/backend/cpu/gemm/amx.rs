@@ -274,6 +274,14 @@ fn pad_step(bytes: &[u8], (n, k): (usize, usize), c0: usize, s: usize, pad: &mut
     }
 }
 
+/// Panels per task of a many-row call (`m` rows, `n` columns, `threads` threads): one packed block
+/// ([`WIDE_PANELS`]) each, since every task streams all of `x` past each of its blocks, but never
+/// fewer tasks than threads. `None` below 32 rows, where blocks are small and `x` is too.
+pub(super) fn task_panels(m: usize, n: usize, threads: usize) -> Option<usize> {
+    let share = n.div_ceil(NR).div_ceil(threads.max(1)).div_ceil(2) * 2;
+    (m >= 2 * TR).then(|| WIDE_PANELS.min(share).max(2))
+}
+
 thread_local! {
     /// Each thread's packed block of pairs, reused across calls.
     static PAIRS: std::cell::RefCell<Lines> = const { std::cell::RefCell::new(Lines(Vec::new())) };
