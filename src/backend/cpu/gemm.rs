@@ -377,17 +377,15 @@ fn by_panels(
     y: &mut [f32],
     range: impl Fn((usize, usize), &mut [f32]) + Sync,
 ) {
-    // Each task owns a run of panels (whole groups of NP: the kernel's width) for every row; tasks
-    // write disjoint columns of y. About 8 tasks per thread, so that the last ones even out the
-    // threads' shares (with 4 per thread, 2048 columns left one of 2 cores idle a tenth of the time).
-    // The partition depends on the thread count, never the arithmetic.
+    // Each task owns a run of panels (whole groups of NP, the kernel's width) for every row. About 8
+    // tasks per thread even out the threads' shares (with 4, 2048 columns left one of 2 cores idle a
+    // tenth of the time). The partition depends on the thread count, never the arithmetic.
     let groups = w.n.div_ceil(NR).div_ceil(NP);
     let per_task = groups.div_ceil(rayon::current_num_threads() * 8).max(1) * NP;
     by_panel_runs(x, m, w, bias, y, per_task, range)
 }
 
-/// [`by_panels`] with runs of `per_task` panels per task (a kernel whose block of the weight is
-/// worth a long pass over `x` takes fewer, longer runs).
+/// [`by_panels`] in runs of `per_task` panels (fewer, longer ones where a block merits a pass of `x`).
 fn by_panel_runs(
     x: &[f32],
     m: usize,
