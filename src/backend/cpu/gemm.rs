@@ -362,39 +362,28 @@ pub fn gemm(x: &[f32], m: usize, w: &Matrix<'_>, bias: Option<&[f32]>, y: &mut [
 /// exact path whatever [`set_bf16_dot`] says.
 pub fn gemm_with(isa: Isa, x: &[f32], m: usize, w: &Matrix<'_>, bias: Option<&[f32]>, y: &mut [f32]) {
     assert!(isa.available(), "{isa:?} is not available on this CPU");
-    by_panels(x, m, w, bias, y, |(p0, p1), y| {
+    by_panels(x, m, w, bias, y, None, |(p0, p1), y| {
         panel_range(isa, x, m, w, p0, p1, y)
     });
 }
 
 /// Runs `range` over runs of panels in parallel, each writing its columns of every row of `y`,
-/// then adds the bias: the shared frame of both paths.
+/// then adds the bias: the shared frame of both paths. A task holds `per_task` panels where the
+/// caller asks (fewer, longer runs where a block merits a pass of `x`), else about 8 per thread.
 fn by_panels(
     x: &[f32],
     m: usize,
     w: &Matrix<'_>,
     bias: Option<&[f32]>,
     y: &mut [f32],
+    per_task: Option<usize>,
     range: impl Fn((usize, usize), &mut [f32]) + Sync,
 ) {
     // Each task owns a run of panels (whole groups of NP, the kernel's width) for every row. About 8
     // tasks per thread even out the threads' shares (with 4, 2048 columns left one of 2 cores idle a
     // tenth of the time). The partition depends on the thread count, never the arithmetic.
     let groups = w.n.div_ceil(NR).div_ceil(NP);
-    let per_task = groups.div_ceil(rayon::current_num_threads() * 8).max(1) * NP;
-    by_panel_runs(x, m, w, bias, y, per_task, range)
-}
-
-/// [`by_panels`] in runs of `per_task` panels (fewer, longer ones where a block merits a pass of `x`).
-fn by_panel_runs(
-    x: &[f32],
-    m: usize,
-    w: &Matrix<'_>,
-    bias: Option<&[f32]>,
-    y: &mut [f32],
-    per_task: usize,
-    range: impl Fn((usize, usize), &mut [f32]) + Sync,
-) {
+    let per_task = per_task.unwrap_or_else(|| groups.div_ceil(rayon::current_num_threads() * 8).max(1) * NP);
     let (k, n) = (w.k, w.n);
     assert_eq!(x.len(), m * k, "x is not [{m}, {k}]");
     assert_eq!(y.len(), m * n, "y is not [{m}, {n}]");

@@ -92,23 +92,9 @@ pub(super) struct Line([u32; TS]);
 pub(super) struct Lines(Vec<Line>);
 
 impl Lines {
-    /// At least `words` zero words, from the allocator's zeroed memory (fresh pages are not
-    /// written twice, as `vec![0; n]` does).
+    /// At least `words` zero words.
     pub(super) fn zeroed(words: usize) -> Lines {
-        let len = words.div_ceil(TS);
-        if len == 0 {
-            return Lines::default();
-        }
-        let layout = std::alloc::Layout::array::<Line>(len).expect("a buffer within memory");
-        // SAFETY: `layout` has a non-zero size; all-zero bytes are a valid `Line`; the pointer
-        // comes from the global allocator with the layout `Vec<Line>` uses for capacity `len`.
-        unsafe {
-            let ptr = std::alloc::alloc_zeroed(layout).cast::<Line>();
-            if ptr.is_null() {
-                std::alloc::handle_alloc_error(layout);
-            }
-            Lines(Vec::from_raw_parts(ptr, len, len))
-        }
+        Lines(vec![Line::default(); words.div_ceil(TS)])
     }
 
     /// At least `words` words, the new ones zero.

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
 #[cfg(target_arch = "x86_64")]
-use super::{amx, by_panel_runs, by_panels, dot_bf16};
+use super::{amx, by_panels, dot_bf16};
 use super::{Matrix, RowMajor};
 use crate::{Error, Result};
 
@@ -124,21 +124,19 @@ pub fn gemm_bf16_dot_with(
             Bf16Kernel::Amx if m <= amx::FEW_ROWS => {
                 let a = dot_bf16::round_pairs(x);
                 let (xt, kpp) = amx::transpose_rows(&a, m, w.k / 2);
-                by_panels(x, m, w, bias, y, |p, y| {
+                by_panels(x, m, w, bias, y, None, |p, y| {
                     amx::few_rows(xt.words(), kpp, m, w, p, y)
                 });
             }
             Bf16Kernel::Amx => {
                 let (a, steps) = amx::tile_rows(x, m, w.k);
                 let run = |p, y: &mut [f32]| amx::panel_range(a.words(), steps, m, w, p, y);
-                match amx::task_panels(m, w.n, rayon::current_num_threads()) {
-                    Some(per_task) => by_panel_runs(x, m, w, bias, y, per_task, run),
-                    None => by_panels(x, m, w, bias, y, run),
-                }
+                let per_task = amx::task_panels(m, w.n, rayon::current_num_threads());
+                by_panels(x, m, w, bias, y, per_task, run);
             }
             Bf16Kernel::Avx512Bf16 => {
                 let a = dot_bf16::round_pairs(x);
-                by_panels(x, m, w, bias, y, |(p0, p1), y| {
+                by_panels(x, m, w, bias, y, None, |(p0, p1), y| {
                     dot_bf16::panel_range(&a, m, w, p0, p1, y)
                 });
             }
