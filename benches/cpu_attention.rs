@@ -1,6 +1,7 @@
 //! CPU attention at Qwen3-VL-2B's shape (16 query heads, 8 KV heads, head_dim 128): a causal
 //! prefill of 1,206 tokens over the paged pool, one decode row at 1,206 tokens of context, and the
-//! vision tower's non-causal segments. `cargo bench --bench cpu_attention`.
+//! vision tower's non-causal segments; each exact (`cpu_attention`) and, where the CPU has AMX, with
+//! bf16 products (`cpu_attention_bf16`, `--cpu-bf16-attention`). `cargo bench --bench cpu_attention`.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use recall::backend::cpu::CpuBackend;
@@ -13,6 +14,16 @@ fn random(be: &CpuBackend, rows: usize, cols: usize, seed: u64) -> recall::backe
 }
 
 fn bench(c: &mut Criterion) {
+    recall::backend::cpu::set_bf16_attention(false).unwrap();
+    group(c, "cpu_attention");
+    if recall::backend::cpu::set_bf16_attention(true).is_ok() {
+        group(c, "cpu_attention_bf16");
+        recall::backend::cpu::set_bf16_attention(false).unwrap();
+    }
+}
+
+/// One group of the four cases, on what the switch says.
+fn group(c: &mut Criterion, name: &str) {
     let be = CpuBackend;
     let (qh, kvh, d, bs, n): (usize, usize, usize, usize, usize) = (16, 8, 128, 16, 1206);
     let shape = AttnShape {
@@ -24,7 +35,7 @@ fn bench(c: &mut Criterion) {
     let blocks: Vec<u32> = (0..n.div_ceil(bs) as u32).collect();
     let k = random(&be, blocks.len() * bs, kvh * d, 1);
     let v = random(&be, blocks.len() * bs, kvh * d, 2);
-    let mut g = c.benchmark_group("cpu_attention");
+    let mut g = c.benchmark_group(name);
     g.sample_size(10);
     let q = random(&be, n, qh * d, 3);
     let seqs = [PagedSeq {

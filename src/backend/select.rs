@@ -40,6 +40,12 @@ pub struct BackendArgs {
     /// together, so a row still has the same bits alone or in a batch. Needs avx512_bf16.
     #[arg(long)]
     pub cpu_bf16_dot: bool,
+    /// On the CPU: attention's two products (`Q·Kᵀ`, `P·V`) in bf16 on AMX tiles, as PyTorch's
+    /// bf16 attention, the softmax in f32, where the default is HF's float32 attention bit for
+    /// bit. Prefill, decode and the vision tower switch together, so a row still has the same
+    /// bits alone or in a batch. Needs amx_bf16 (Sapphire Rapids and later).
+    #[arg(long)]
+    pub cpu_bf16_attention: bool,
 }
 
 impl Default for BackendArgs {
@@ -49,6 +55,7 @@ impl Default for BackendArgs {
             gpu_memory_utilization: 0.9,
             cpu_decode_panels: None,
             cpu_bf16_dot: false,
+            cpu_bf16_attention: false,
         }
     }
 }
@@ -62,12 +69,14 @@ impl BackendArgs {
     }
 
     /// Sets the CPU backend's process-wide options ([`super::cpu::set_decode_panels`],
-    /// [`super::cpu::gemm::set_bf16_dot`]).
+    /// [`super::cpu::gemm::set_bf16_dot`], [`super::cpu::set_bf16_attention`]).
     ///
     /// # Errors
-    /// When `--cpu-bf16-dot` is asked for on a CPU without AVX512-BF16.
+    /// When `--cpu-bf16-dot` is asked for on a CPU without AVX512-BF16, or
+    /// `--cpu-bf16-attention` on one without AMX-BF16.
     pub fn apply_cpu(&self, serving: bool) -> Result<()> {
         super::cpu::gemm::set_bf16_dot(self.cpu_bf16_dot)?;
+        super::cpu::set_bf16_attention(self.cpu_bf16_attention)?;
         super::cpu::set_decode_panels(self.cpu_decode_panels.unwrap_or(serving));
         Ok(())
     }

@@ -28,6 +28,13 @@ use super::simd::{exp, multiversion};
 use super::CpuTensor;
 use crate::backend::{AttnShape, PagedSeq};
 
+#[cfg(target_arch = "x86_64")]
+mod bf16;
+mod products;
+
+pub(super) use products::Products;
+pub use products::{bf16_attention, set_bf16_attention};
+
 /// Query rows (positions × the group's query heads) per task: the GEMM packs each block of keys
 /// once for all of them, so fewer rows would pack more often per multiply-add.
 const TASK_ROWS: usize = 32;
@@ -42,7 +49,7 @@ const KEY_BLOCK: usize = 32;
 
 /// Causal grouped-query attention over the paged pool; one task per (tile of positions, KV head).
 pub(super) fn paged_attention(
-    isa: Isa,
+    products: Products,
     q: &CpuTensor,
     k: &CpuTensor,
     v: &CpuTensor,
@@ -51,7 +58,7 @@ pub(super) fn paged_attention(
 ) -> CpuTensor {
     let d = s.head_dim;
     let group = s.q_heads / s.kv_heads;
-    let tile = (TASK_ROWS / group).max(1);
+    let tile = products.tile(group);
     let (mut runs, mut tasks) = (Vec::new(), Vec::new());
     let mut row0 = 0;
     for seq in seqs {
@@ -68,8 +75,10 @@ pub(super) fn paged_attention(
                 col: h * d,
                 pack: seq.rows * group >= PACK_ROWS,
             });
-            for t0 in (0..seq.rows).step_by(tile) {
-                let rows = tile.min(seq.rows - t0);
+            // Tiles aligned to multiples of `tile` in the sequence, whatever the chunk.
+            let mut t0 = 0;
+            while t0 < seq.rows {
+                let rows = (tile - (first + t0) % tile).min(seq.rows - t0);
                 tasks.push(AttnTask {
                     row0: row0 + t0,
                     heads: (h * group, group),
@@ -77,17 +86,18 @@ pub(super) fn paged_attention(
                     // Position i of the tile sees the sequence's first `first + t0 + i + 1` tokens.
                     visible: (0..rows).map(|i| first + t0 + i + 1).collect(),
                 });
+                t0 += rows;
             }
         }
         row0 += seq.rows;
     }
-    attend_all(isa, (q, k, v), d, &runs, &tasks)
+    attend_all(products, (q, k, v), d, &runs, &tasks)
 }
 
 /// Non-causal attention inside each segment of `cu` (rows `cu[i]..cu[i + 1]`, `heads` heads whose
 /// K/V columns are the query's); one task per (tile of rows, head).
 pub(super) fn attention_segments(
-    isa: Isa,
+    products: Products,
     q: &CpuTensor,
     k: &CpuTensor,
     v: &CpuTensor,
@@ -116,7 +126,7 @@ pub(super) fn attention_segments(
             }
         }
     }
-    attend_all(isa, (q, k, v), d, &runs, &tasks)
+    attend_all(products, (q, k, v), d, &runs, &tasks)
 }
 
 /// The keys and values one head attends to: rows `slots` of K and V, columns `col..col + d`.
@@ -170,32 +180,56 @@ struct AttnTask {
     visible: Vec<usize>,
 }
 
-/// Packs the runs that have many query rows, then runs the tasks in parallel, each writing its
-/// rows of the output `[q.rows, q.cols]`.
+/// Packs the runs (in f32, those that have many query rows), then runs the tasks in parallel,
+/// each writing its rows of the output `[q.rows, q.cols]`.
 fn attend_all(
-    isa: Isa,
+    products: Products,
     (q, k, v): (&CpuTensor, &CpuTensor, &CpuTensor),
     d: usize,
     runs: &[KvRun],
     tasks: &[AttnTask],
 ) -> CpuTensor {
-    let packed: Vec<Option<PackedRun>> = runs
-        .par_iter()
-        .map(|r| r.pack.then(|| PackedRun::pack(isa, r, (k, v), d)))
-        .collect();
     let scale = 1.0 / (d as f32).sqrt();
+    match products {
+        Products::F32(isa) => {
+            let packed: Vec<Option<PackedRun>> = runs
+                .par_iter()
+                .map(|r| r.pack.then(|| PackedRun::pack(isa, r, (k, v), d)))
+                .collect();
+            each_task(q, d, tasks, |t| {
+                let run = &runs[t.run];
+                let kv = KvRows {
+                    keys: run.in_pool(k),
+                    values: run.in_pool(v),
+                    packed: packed[t.run].as_ref(),
+                };
+                attend(isa, q, kv, d, scale, t)
+            })
+        }
+        #[cfg(target_arch = "x86_64")]
+        Products::Bf16 => {
+            let packed: Vec<bf16::Bf16Run> = runs
+                .par_iter()
+                .map(|r| bf16::Bf16Run::pack(r, (k, v), d))
+                .collect();
+            each_task(q, d, tasks, |t| bf16::attend(q, &packed[t.run], d, scale, t))
+        }
+    }
+}
+
+/// Runs `attend` on every task in parallel, each copying its rows into the output `[q.rows,
+/// q.cols]` as soon as it has them, while they are in its cache (no task's rows wait in memory
+/// for the others).
+fn each_task(
+    q: &CpuTensor,
+    d: usize,
+    tasks: &[AttnTask],
+    attend: impl Fn(&AttnTask) -> Vec<f32> + Sync,
+) -> CpuTensor {
     let mut out = vec![0f32; q.rows * q.cols];
-    // Each task copies its rows into `out` as soon as it has them, while they are in its cache,
-    // and no task's rows wait in memory for the others.
     let out_addr = out.as_mut_ptr() as usize;
     tasks.par_iter().for_each(|t| {
-        let run = &runs[t.run];
-        let kv = KvRows {
-            keys: run.in_pool(k),
-            values: run.in_pool(v),
-            packed: packed[t.run].as_ref(),
-        };
-        let part = attend(isa, q, kv, d, scale, t);
+        let part = attend(t);
         // Part rows are (position, head of the group), position-major.
         for (r, o) in part.chunks(d).enumerate() {
             let (i, g) = (r / t.heads.1, r % t.heads.1);
@@ -663,7 +697,7 @@ mod tests {
     use super::*;
     use crate::backend::cpu::simd::exp;
 
-    fn random(rng: &mut fastrand::Rng, rows: usize, cols: usize) -> CpuTensor {
+    pub(super) fn random(rng: &mut fastrand::Rng, rows: usize, cols: usize) -> CpuTensor {
         CpuTensor {
             data: (0..rows * cols).map(|_| rng.f32() * 4.0 - 2.0).collect(),
             rows,
@@ -707,12 +741,12 @@ mod tests {
             .collect()
     }
 
-    fn bits(x: &[f32]) -> Vec<u32> {
+    pub(super) fn bits(x: &[f32]) -> Vec<u32> {
         x.iter().map(|v| v.to_bits()).collect()
     }
 
     /// Sequences as (new rows, context) over one shuffled pool; returns (q, k, v, block tables).
-    fn paged_case(
+    pub(super) fn paged_case(
         rng: &mut fastrand::Rng,
         s: AttnShape,
         seqs: &[(usize, usize)],
@@ -823,7 +857,7 @@ mod tests {
                 .collect();
             let want = bits(&paged_reference(&q, &k, &v, s, &seqs));
             for isa in isas() {
-                let got = paged_attention(isa, &q, &k, &v, s, &seqs);
+                let got = paged_attention(Products::F32(isa), &q, &k, &v, s, &seqs);
                 assert_eq!(bits(&got.data), want, "{isa:?}, {s:?}, {shape:?}");
             }
         }
@@ -892,7 +926,7 @@ mod tests {
                 }
             }
             for isa in isas() {
-                let got = attention_segments(isa, &q, &k, &v, heads, &cu);
+                let got = attention_segments(Products::F32(isa), &q, &k, &v, heads, &cu);
                 assert_eq!(
                     bits(&got.data),
                     bits(&want),

@@ -41,6 +41,10 @@ mod bf16;
 mod dot_bf16;
 mod pack;
 #[cfg(target_arch = "x86_64")]
+pub(super) use amx::{tile_products, TileOperand};
+#[cfg(target_arch = "x86_64")]
+pub(super) use dot_bf16::round_pairs_into;
+#[cfg(target_arch = "x86_64")]
 pub(super) use pack::transpose16;
 
 use bf16::BF16_DOT;

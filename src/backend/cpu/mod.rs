@@ -8,6 +8,7 @@
 mod attention;
 pub mod gemm;
 mod ops;
+pub use attention::{bf16_attention, set_bf16_attention};
 /// The index of the first maximum of a row over its non-NaN entries (numpy's `nanargmax`; 0 when
 /// all are NaN): the CPU argmax, for callers that choose on the host.
 pub use ops::argmax as argmax_row;
@@ -429,7 +430,14 @@ impl Backend for CpuBackend {
     ) -> Result<CpuTensor> {
         let _op = profile::start("paged_attention");
         check::paged_attention((q.rows, q.cols), (k.rows, k.cols), (v.rows, v.cols), s, seqs)?;
-        Ok(attention::paged_attention(gemm::Isa::detect(), q, k, v, s, seqs))
+        Ok(attention::paged_attention(
+            attention::Products::current(),
+            q,
+            k,
+            v,
+            s,
+            seqs,
+        ))
     }
 
     fn layer_norm(&self, x: &CpuTensor, weight: &CpuWeight, bias: &CpuWeight, eps: f32) -> Result<CpuTensor> {
@@ -482,7 +490,7 @@ impl Backend for CpuBackend {
             cu_seqlens,
         )?;
         Ok(attention::attention_segments(
-            gemm::Isa::detect(),
+            attention::Products::current(),
             q,
             k,
             v,

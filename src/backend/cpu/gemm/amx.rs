@@ -129,6 +129,28 @@ struct Aligned<T>(T);
 /// rounded on all threads.
 pub(super) fn tile_rows(x: &[f32], m: usize, k: usize) -> (Lines, usize) {
     use rayon::prelude::*;
+    tile_rows_with(x, m, k, |tiles, tile_lines, fill| {
+        tiles.par_chunks_mut(tile_lines).enumerate().for_each(fill)
+    })
+}
+
+/// [`tile_rows`] on this thread (attention's tasks, already one per thread).
+fn tile_rows_here(x: &[f32], m: usize, k: usize) -> (Lines, usize) {
+    tile_rows_with(x, m, k, |tiles, tile_lines, fill| {
+        tiles.chunks_mut(tile_lines).enumerate().for_each(fill)
+    })
+}
+
+/// Uninitialised lines, to be written once each.
+type Uninit = [std::mem::MaybeUninit<Line>];
+
+/// [`tile_rows`], each row tile filled by `fill` as `each` hands them out.
+fn tile_rows_with(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    each: impl FnOnce(&mut Uninit, usize, &(dyn Fn((usize, &mut Uninit)) + Sync)),
+) -> (Lines, usize) {
     assert!(
         k.is_multiple_of(2) && x.len() == m * k,
         "x is [m, k] with an even k"
@@ -139,27 +161,28 @@ pub(super) fn tile_rows(x: &[f32], m: usize, k: usize) -> (Lines, usize) {
     let tile_lines = steps * TR;
     let len = m.div_ceil(TR) * tile_lines;
     let mut lines = Vec::with_capacity(len);
-    lines.spare_capacity_mut()[..len]
-        .par_chunks_mut(tile_lines)
-        .enumerate()
-        .for_each(|(t, tile)| {
-            let mut row = vec![0u32; kp];
-            for j in 0..TR {
-                let r = t * TR + j;
-                if r < m {
-                    super::dot_bf16::round_pairs_into(&x[r * k..(r + 1) * k], &mut row);
-                }
-                for s in 0..steps {
-                    let mut line = Line::default();
-                    if r < m {
-                        let pairs = &row[s * TS..kp.min((s + 1) * TS)];
-                        line.0[..pairs.len()].copy_from_slice(pairs);
-                    }
-                    tile[s * TR + j].write(line);
-                }
+    let fill = |(t, tile): (usize, &mut Uninit)| {
+        let mut row = vec![0u32; kp];
+        for j in 0..TR {
+            let r = t * TR + j;
+            if r < m {
+                super::dot_bf16::round_pairs_into(&x[r * k..(r + 1) * k], &mut row);
             }
-        });
-    // SAFETY: the loop above wrote every one of the `len` lines.
+            for s in 0..steps {
+                let mut line = Line::default();
+                if r < m {
+                    match row[s * TS..].first_chunk::<TS>() {
+                        // A whole step is a fixed-size copy (a call to `memcpy` otherwise).
+                        Some(pairs) => line.0 = *pairs,
+                        None => line.0[..kp - s * TS].copy_from_slice(&row[s * TS..]),
+                    }
+                }
+                tile[s * TR + j].write(line);
+            }
+        }
+    };
+    each(&mut lines.spare_capacity_mut()[..len], tile_lines, &fill);
+    // SAFETY: `each` handed every tile of the `len` lines to `fill`, which wrote all its lines.
     unsafe { lines.set_len(len) };
     (Lines(lines), steps)
 }
@@ -258,6 +281,78 @@ fn pad_step(bytes: &[u8], (n, k): (usize, usize), c0: usize, s: usize, pad: &mut
             };
         }
     }
+}
+
+/// The second operand of [`tile_products`]: `icp` pair steps (a multiple of 16) of 16-word
+/// column tiles, tile `t` from word `t · next`, its pair steps `row` words apart. Packed panels
+/// (`[tiles][icp][16]`) have `row` 16 and `next` `icp · 16`; pair rows (`[icp][cols]`, each row all
+/// the columns' pairs of one step) `row` = `cols` and `next` 16.
+pub(in crate::backend::cpu) struct TileOperand<'a> {
+    pub words: &'a [u32],
+    pub icp: usize,
+    pub row: usize,
+    pub next: usize,
+}
+
+/// `out[r·cols + c] = Σ_i bf16 pair i of x's row r · pair i of column c`, for the `rows` rows of
+/// `x` (`[rows, 2 · w.icp]`, rounded to bf16 pairs here) and the `cols` columns of `w` (a multiple
+/// of 32): 2 × 2 tiles at a time, each sum from zero, from its own row and column only, over the
+/// pair steps in groups of 16 from 0. `out` holds `rows` rounded up to 32 rows of `cols` (the
+/// tiles past `rows` are written too). On this thread: attention's products
+/// (`--cpu-bf16-attention`), one task per thread already.
+pub(in crate::backend::cpu) fn tile_products(
+    x: &[f32],
+    rows: usize,
+    w: &TileOperand<'_>,
+    cols: usize,
+    out: &mut [f32],
+) {
+    let TileOperand {
+        words,
+        icp,
+        row,
+        next,
+    } = *w;
+    assert!(
+        icp.is_multiple_of(TS) && cols.is_multiple_of(2 * NR) && row >= TS && available(),
+        "AMX on whole tiles"
+    );
+    assert!(
+        x.len() == rows * 2 * icp
+            && (cols == 0 || words.len() >= (cols / NR - 1) * next + (icp - 1) * row + TS)
+            && out.len() >= rows.div_ceil(2 * TR) * 2 * TR * cols,
+        "rows of x, w and out"
+    );
+    if rows == 0 || icp == 0 {
+        out.fill(0.0);
+        return;
+    }
+    let (a, steps) = tile_rows_here(x, rows, 2 * icp);
+    let tile_words = steps * TR * TS;
+    // SAFETY: `available()` was asserted.
+    unsafe { x86::configure() };
+    for r0 in (0..rows).step_by(2 * TR) {
+        let tiles_r = if rows - r0 > TR { 2 } else { 1 };
+        for c0 in (0..cols).step_by(2 * NR) {
+            // SAFETY: tiles configured; `a` holds `tiles_r` row tiles of `steps` steps from row
+            // `r0`, `words` the two column tiles from `c0` (`icp` steps, `row` words apart), `out`
+            // 32 rows of `cols` from row `r0` (all asserted above).
+            unsafe {
+                let operands = x86::Operands {
+                    x: a.words()[r0 / TR * tile_words..].as_ptr(),
+                    tile_words,
+                    w: words[c0 / NR * next..].as_ptr(),
+                    w_row: row,
+                    w_next: next,
+                    icp,
+                };
+                let c = out[r0 * cols + c0..].as_mut_ptr();
+                x86::kernel(&operands, (tiles_r, 2), c, cols * 4, true)
+            };
+        }
+    }
+    // SAFETY: as above.
+    unsafe { x86::release() };
 }
 
 /// Panels per task of a many-row call (`m` rows, `n` columns, `threads` threads): one packed block
@@ -376,6 +471,8 @@ fn block_pass(b: &Block<'_>, (m, n): (usize, usize), (p0, p1): (usize, usize), y
                     x: x.as_ptr(),
                     tile_words,
                     w: panels.as_ptr(),
+                    w_row: NR,
+                    w_next: b.icp * NR,
                     icp: b.icp,
                 };
                 x86::kernel(&operands, (tiles_r, tiles_p), c, ldc, fresh)
@@ -458,11 +555,15 @@ mod x86 {
     }
 
     /// One kernel call's operands: row tiles of `x` (16 × 16 words, contiguous by step; the second
-    /// row tile `tile_words` after the first) and panels (`icp · 16` words apart), `icp` pair steps.
+    /// row tile `tile_words` after the first), and two tiles of the weight per step, `icp` pair
+    /// steps: 16 words of each pair step, the steps `w_row` words apart, the second tile `w_next`
+    /// words after the first (packed panels: 16 and `icp · 16`).
     pub struct Operands {
         pub x: *const u32,
         pub tile_words: usize,
         pub w: *const u32,
+        pub w_row: usize,
+        pub w_next: usize,
         pub icp: usize,
     }
 
@@ -478,9 +579,11 @@ mod x86 {
             x,
             tile_words,
             w,
+            w_row,
+            w_next,
             icp,
         } = *o;
-        let ldx = TS * 4;
+        let (ldx, ldw) = (TS * 4, w_row * 4);
         let (c01, c10) = (c.add(NR), c.byte_add(TR * ldc));
         let c11 = c10.add(NR);
         if fresh {
@@ -497,11 +600,10 @@ mod x86 {
                  c = in(reg) c, c01 = in(reg) c01, c10 = in(reg) c10, c11 = in(reg) c11, ld = in(reg) ldc,
                  options(nostack, readonly));
         }
-        let panel = icp * NR;
         for s in (0..icp).step_by(TS) {
             // The second row tile and panel are only read when `tiles` has them.
             let (x0, x1) = (x.add(s * TR), x.wrapping_add(tile_words + s * TR));
-            let (w0, w1) = (w.add(s * NR), w.wrapping_add(panel + s * NR));
+            let (w0, w1) = (w.add(s * w_row), w.wrapping_add(w_next + s * w_row));
             match tiles {
                 // Each load just before the first product that needs it: the tiles are not
                 // renamed, so a load waits for the products still reading its tile.
@@ -512,24 +614,24 @@ mod x86 {
                     "tileloadd tmm5, [{x1} + {ldx}*1]", "tdpbf16ps tmm2, tmm5, tmm6",
                     "tdpbf16ps tmm3, tmm5, tmm7",
                     x0 = in(reg) x0, x1 = in(reg) x1, w0 = in(reg) w0, w1 = in(reg) w1,
-                    ldx = in(reg) ldx, ldw = in(reg) 64usize, options(nostack, readonly)),
+                    ldx = in(reg) ldx, ldw = in(reg) ldw, options(nostack, readonly)),
                 (2, _) => asm!(
                     "tileloadd tmm4, [{x0} + {ldx}*1]", "tileloadd tmm5, [{x1} + {ldx}*1]",
                     "tileloadd tmm6, [{w0} + {ldw}*1]",
                     "tdpbf16ps tmm0, tmm4, tmm6", "tdpbf16ps tmm2, tmm5, tmm6",
                     x0 = in(reg) x0, x1 = in(reg) x1, w0 = in(reg) w0,
-                    ldx = in(reg) ldx, ldw = in(reg) 64usize, options(nostack, readonly)),
+                    ldx = in(reg) ldx, ldw = in(reg) ldw, options(nostack, readonly)),
                 (_, 2) => asm!(
                     "tileloadd tmm4, [{x0} + {ldx}*1]",
                     "tileloadd tmm6, [{w0} + {ldw}*1]", "tileloadd tmm7, [{w1} + {ldw}*1]",
                     "tdpbf16ps tmm0, tmm4, tmm6", "tdpbf16ps tmm1, tmm4, tmm7",
                     x0 = in(reg) x0, w0 = in(reg) w0, w1 = in(reg) w1,
-                    ldx = in(reg) ldx, ldw = in(reg) 64usize, options(nostack, readonly)),
+                    ldx = in(reg) ldx, ldw = in(reg) ldw, options(nostack, readonly)),
                 _ => asm!(
                     "tileloadd tmm4, [{x0} + {ldx}*1]", "tileloadd tmm6, [{w0} + {ldw}*1]",
                     "tdpbf16ps tmm0, tmm4, tmm6",
                     x0 = in(reg) x0, w0 = in(reg) w0,
-                    ldx = in(reg) ldx, ldw = in(reg) 64usize, options(nostack, readonly)),
+                    ldx = in(reg) ldx, ldw = in(reg) ldw, options(nostack, readonly)),
             }
         }
         asm!("tilestored [{c} + {ld}*1], tmm0", "tilestored [{c01} + {ld}*1], tmm1",

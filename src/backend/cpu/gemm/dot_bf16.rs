@@ -46,7 +46,7 @@ pub(super) fn round_pairs(x: &[f32]) -> Vec<u32> {
 }
 
 /// [`round_pairs`] into `out` (`x.len() / 2` words).
-pub(super) fn round_pairs_into(x: &[f32], out: &mut [u32]) {
+pub(in crate::backend::cpu) fn round_pairs_into(x: &[f32], out: &mut [u32]) {
     assert!(available(), "AVX512-BF16 is not available on this CPU");
     assert!(x.len().is_multiple_of(2), "pairs of values");
     assert_eq!(out.len(), x.len() / 2, "a word per pair");
