@@ -208,11 +208,22 @@ fn attend_all(
         }
         #[cfg(target_arch = "x86_64")]
         Products::Bf16 => {
-            let packed: Vec<bf16::Bf16Run> = runs
+            let packed: Vec<Option<bf16::Bf16Run>> = runs
                 .par_iter()
-                .map(|r| bf16::Bf16Run::pack(r, (k, v), d))
+                .map(|r| r.pack.then(|| bf16::Bf16Run::pack(r, (k, v), d)))
                 .collect();
-            each_task(q, d, tasks, |t| bf16::attend(q, &packed[t.run], d, scale, t))
+            each_task(q, d, tasks, |t| {
+                let run = &runs[t.run];
+                let src = match &packed[t.run] {
+                    Some(p) => bf16::Source::Packed(p),
+                    None => bf16::Source::Pool {
+                        keys: run.in_pool(k),
+                        values: run.in_pool(v),
+                        n: run.slots.len(),
+                    },
+                };
+                bf16::attend(q, &src, d, scale, t)
+            })
         }
     }
 }

@@ -20,7 +20,7 @@
 //! How one `TDPBF16PS` adds its 32 products is the hardware's (`gemm/amx.rs`); the order of the
 //! steps is fixed.
 
-use super::{AttnTask, KvRun, LANES};
+use super::{AttnTask, KvRun, Rows, LANES};
 use crate::backend::cpu::gemm::{round_pairs_into, tile_products, TileOperand};
 use crate::backend::cpu::simd::multiversion;
 use crate::backend::cpu::CpuTensor;
@@ -36,9 +36,7 @@ fn padded(d: usize) -> usize {
 }
 
 /// A run's keys and values rounded to bf16, once for all its tasks, as [`tile_products`] reads
-/// them: keys in panels of 16 (`[n32 / 16][d32 / 2][16]` words: pair `i` of 16 keys' rows, for
-/// the scores), values as pair rows (`[n32 / 2][d32]` words, row `i` pairing keys `2i` and
-/// `2i + 1`, for `P·V`); zero past `n` and `d`.
+/// them: keys in panels of 16 ([`key_panels`]), values as pair rows ([`value_pairs`]).
 pub(super) struct Bf16Run {
     keys: Vec<u32>,
     values: Vec<u32>,
@@ -48,40 +46,95 @@ impl Bf16Run {
     pub(super) fn pack(run: &KvRun, (k, v): (&CpuTensor, &CpuTensor), d: usize) -> Bf16Run {
         let n = run.slots.len();
         let (n32, d32) = (padded(n), padded(d));
-        let (keys_in, values_in) = (run.in_pool(k), run.in_pool(v));
         let mut keys = vec![0u32; n32 * d32 / 2];
-        let mut row = vec![0f32; 2 * d32];
-        let mut pairs = vec![0u32; d32 / 2];
-        let panel_words = d32 / 2 * PANEL;
-        for j in 0..n {
-            row[..d].copy_from_slice(keys_in.row(j, d));
-            round_pairs_into(&row[..d32], &mut pairs);
-            // Key `j` is lane `j % 16` of every pair step of its panel.
-            let panel = &mut keys[j / PANEL * panel_words..][..panel_words];
-            for (i, w) in pairs.iter().enumerate() {
-                panel[i * PANEL + j % PANEL] = *w;
-            }
-        }
+        key_panels(run.in_pool(k), (0, n32), (n, d), &mut keys);
         let mut values = vec![0u32; n32 / 2 * d32];
-        // Past `d`, `row` stays zero.
-        let zeros = vec![0f32; d];
-        row.fill(0.0);
-        for (i, out) in values.chunks_mut(d32).enumerate().take(n.div_ceil(2)) {
-            let (j0, j1) = (2 * i, 2 * i + 1);
-            let v0 = values_in.row(j0, d);
-            let v1 = if j1 < n { values_in.row(j1, d) } else { &zeros[..d] };
-            for ((pair, a), b) in row.as_chunks_mut::<2>().0.iter_mut().zip(v0).zip(v1) {
-                *pair = [*a, *b];
-            }
-            round_pairs_into(&row, out);
-        }
+        value_pairs(run.in_pool(v), (0, n32), (n, d), &mut values);
         Bf16Run { keys, values }
     }
 }
 
+/// Keys `j0..j1` (whole panels) in panels of 16: `[panels][d32 / 2][16]` words, lane `j % 16` of
+/// pair step `i` holding key `j`'s pair `i`; zero past the run's `n` keys and past `d`. Each panel's
+/// 16 keys are rounded as rows of pairs, then turned in 16 × 16 blocks in registers.
+fn key_panels(keys: Rows<'_>, (j0, j1): (usize, usize), (n, d): (usize, usize), out: &mut [u32]) {
+    let d32 = padded(d);
+    let (kp, panel_words) = (d32 / 2, d32 / 2 * PANEL);
+    let (mut row, mut pairs) = (vec![0f32; d32], vec![0u32; PANEL * kp]);
+    for (p, panel) in out[..(j1 - j0) * kp].chunks_mut(panel_words).enumerate() {
+        for (l, lane) in pairs.chunks_mut(kp).enumerate() {
+            let j = j0 + p * PANEL + l;
+            if j >= n {
+                lane.fill(0);
+            } else if d == d32 {
+                round_pairs_into(keys.row(j, d), lane);
+            } else {
+                row[..d].copy_from_slice(keys.row(j, d));
+                round_pairs_into(&row, lane);
+            }
+        }
+        // SAFETY: AMX-BF16 CPUs have AVX-512F (the bf16 path runs only there); `pairs` holds 16
+        // lanes of `kp` words and `panel` `kp` steps of 16, `kp` a multiple of 16.
+        unsafe { x86::turn(&pairs, kp, panel) };
+    }
+}
+
+/// Values `j0..j1` (`j0` even) as pair rows: `[(j1 - j0) / 2][d32]` words, word `c` of row `i`
+/// the pair `(v_{j0+2i}[c], v_{j0+2i+1}[c])` rounded as `round_pairs` rounds; zero past the run's
+/// `n` keys and past `d`.
+fn value_pairs(values: Rows<'_>, (j0, j1): (usize, usize), (n, d): (usize, usize), out: &mut [u32]) {
+    let d32 = padded(d);
+    let zeros = vec![0f32; d];
+    for (i, out) in out[..(j1 - j0) / 2 * d32].chunks_mut(d32).enumerate() {
+        let (a, b) = (j0 + 2 * i, j0 + 2 * i + 1);
+        if a >= n {
+            out.fill(0);
+            continue;
+        }
+        let v0 = values.row(a, d);
+        let v1 = if b < n { values.row(b, d) } else { &zeros[..] };
+        // SAFETY: as in `key_panels` (AVX512-BW and -BF16 come with AMX-BF16); `v0` and `v1` hold
+        // `d` floats and `out` `d32` words.
+        unsafe { x86::pair_rows(v0, v1, out) };
+    }
+}
+
+/// Keys from [`key_panels`] as [`tile_products`]' second operand: `d32 / 2` pair steps per panel.
+fn key_operand(words: &[u32], d32: usize) -> TileOperand<'_> {
+    TileOperand {
+        words,
+        icp: d32 / 2,
+        row: PANEL,
+        next: d32 / 2 * PANEL,
+    }
+}
+
+/// `icp` pair rows from [`value_pairs`] as [`tile_products`]' second operand.
+fn value_operand(words: &[u32], icp: usize, d32: usize) -> TileOperand<'_> {
+    TileOperand {
+        words,
+        icp,
+        row: d32,
+        next: PANEL,
+    }
+}
+
+/// Where a task's keys and values come from: its run, packed once for all the run's tasks; or,
+/// for a run of few query rows (decode), the pool itself, rounded a step of 32 keys at a time
+/// into blocks that stay in L1 — each key and value is read once either way, and the products
+/// and their order are the same, so both give the same bits.
+pub(super) enum Source<'a> {
+    Packed(&'a Bf16Run),
+    Pool {
+        keys: Rows<'a>,
+        values: Rows<'a>,
+        n: usize,
+    },
+}
+
 /// One task's output rows `[positions × group, d]` (see [`super::attend`]): scores on the run's
 /// keys up to the task's last visible one (rounded up to a step), the softmax, `P·V`.
-pub(super) fn attend(q: &CpuTensor, run: &Bf16Run, d: usize, scale: f32, t: &AttnTask) -> Vec<f32> {
+pub(super) fn attend(q: &CpuTensor, src: &Source<'_>, d: usize, scale: f32, t: &AttnTask) -> Vec<f32> {
     let (h0, group) = t.heads;
     let rows = t.visible.len() * group;
     let n = t.visible.iter().copied().max().unwrap_or(0);
@@ -93,13 +146,23 @@ pub(super) fn attend(q: &CpuTensor, run: &Bf16Run, d: usize, scale: f32, t: &Att
     }
     let rows32 = rows.div_ceil(STEP) * STEP;
     let mut scores = vec![0f32; rows32 * nk];
-    let keys = TileOperand {
-        words: &run.keys,
-        icp: d32 / 2,
-        row: PANEL,
-        next: d32 / 2 * PANEL,
-    };
-    tile_products(&qs, rows, &keys, nk, &mut scores);
+    match src {
+        Source::Packed(run) => {
+            tile_products(&qs, rows, &key_operand(&run.keys, d32), (nk, true), &mut scores)
+        }
+        Source::Pool {
+            keys: pool, n: all, ..
+        } => {
+            let (mut block, mut sums) = (vec![0u32; STEP * d32 / 2], vec![0f32; rows32 * STEP]);
+            for j0 in (0..nk).step_by(STEP) {
+                key_panels(*pool, (j0, j0 + STEP), (*all, d), &mut block);
+                tile_products(&qs, rows, &key_operand(&block, d32), (STEP, true), &mut sums);
+                for (r, s) in sums.chunks(STEP).take(rows).enumerate() {
+                    scores[r * nk + j0..][..STEP].copy_from_slice(s);
+                }
+            }
+        }
+    }
     let mut sums = Vec::with_capacity(rows);
     for (r, row) in scores.chunks_mut(nk.max(1)).take(rows).enumerate() {
         let vis = t.visible[r / group];
@@ -108,13 +171,34 @@ pub(super) fn attend(q: &CpuTensor, run: &Bf16Run, d: usize, scale: f32, t: &Att
         row[vis..].fill(0.0);
     }
     let mut out = vec![0f32; rows32 * d32];
-    let values = TileOperand {
-        words: &run.values,
-        icp: nk / 2,
-        row: d32,
-        next: PANEL,
-    };
-    tile_products(&scores[..rows * nk], rows, &values, d32, &mut out);
+    match src {
+        Source::Packed(run) => tile_products(
+            &scores[..rows * nk],
+            rows,
+            &value_operand(&run.values, nk / 2, d32),
+            (d32, true),
+            &mut out,
+        ),
+        Source::Pool {
+            values: pool, n: all, ..
+        } => {
+            let (mut block, mut e) = (vec![0u32; STEP / 2 * d32], vec![0f32; rows * STEP]);
+            // The sums stay in `out` between steps: the same chains, stored and reloaded.
+            for j0 in (0..nk).step_by(STEP) {
+                value_pairs(*pool, (j0, j0 + STEP), (*all, d), &mut block);
+                for (r, e) in e.chunks_mut(STEP).enumerate() {
+                    e.copy_from_slice(&scores[r * nk + j0..][..STEP]);
+                }
+                tile_products(
+                    &e,
+                    rows,
+                    &value_operand(&block, STEP / 2, d32),
+                    (d32, j0 == 0),
+                    &mut out,
+                );
+            }
+        }
+    }
     for (o, z) in out.chunks_mut(d32).zip(&sums) {
         o.iter_mut().for_each(|x| *x /= z);
     }
@@ -197,6 +281,52 @@ fn exp_fma(x: f32) -> f32 {
         x
     } else {
         e
+    }
+}
+
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use crate::backend::cpu::gemm::transpose16;
+
+    /// `panel[i·16 + l] = pairs[l·kp + i]`: 16 lanes of `kp` words turned into `kp` steps of 16.
+    ///
+    /// # Safety
+    /// AVX-512F; `pairs` holds `16 · kp` words and `panel` as many, `kp` a multiple of 16.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn turn(pairs: &[u32], kp: usize, panel: &mut [u32]) {
+        assert!(pairs.len() >= 16 * kp && panel.len() >= 16 * kp && kp.is_multiple_of(16));
+        for i0 in (0..kp).step_by(16) {
+            let rows = std::array::from_fn(|l| _mm512_loadu_ps(pairs.as_ptr().add(l * kp + i0).cast()));
+            for (i, step) in transpose16(rows).into_iter().enumerate() {
+                _mm512_storeu_ps(panel.as_mut_ptr().add((i0 + i) * 16).cast(), step);
+            }
+        }
+    }
+
+    /// `out[c] = bf16(v0[c]) | bf16(v1[c]) << 16` (round to nearest even by `VCVTNE2PS2BF16`, as
+    /// `round_pairs`), zero past `v0.len()`.
+    ///
+    /// # Safety
+    /// AVX-512F, -BW and -BF16; `v1` as long as `v0`, `out` at least as long, in whole 16s.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn pair_rows(v0: &[f32], v1: &[f32], out: &mut [u32]) {
+        let d = v0.len();
+        assert!(v1.len() == d && out.len() >= d && out.len().is_multiple_of(16));
+        // Word lanes 2c and 2c + 1 of the result take the two rounded halves' lane c.
+        let order: [u16; 32] = std::array::from_fn(|w| (w / 2 + 16 * (w % 2)) as u16);
+        let order = _mm512_loadu_si512(order.as_ptr().cast());
+        for c0 in (0..out.len()).step_by(16) {
+            let mask = ((1u32 << d.saturating_sub(c0).min(16)) - 1) as u16;
+            let a = _mm512_maskz_loadu_ps(mask, v0.as_ptr().wrapping_add(c0));
+            let b = _mm512_maskz_loadu_ps(mask, v1.as_ptr().wrapping_add(c0));
+            // Lanes 0..16 round `a`, 16..32 `b`.
+            let halves: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(b, a));
+            _mm512_storeu_si512(
+                out.as_mut_ptr().add(c0).cast(),
+                _mm512_permutexvar_epi16(order, halves),
+            );
+        }
     }
 }
 

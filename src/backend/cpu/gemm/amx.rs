@@ -294,17 +294,17 @@ pub(in crate::backend::cpu) struct TileOperand<'a> {
     pub next: usize,
 }
 
-/// `out[r·cols + c] = Σ_i bf16 pair i of x's row r · pair i of column c`, for the `rows` rows of
-/// `x` (`[rows, 2 · w.icp]`, rounded to bf16 pairs here) and the `cols` columns of `w` (a multiple
-/// of 32): 2 × 2 tiles at a time, each sum from zero, from its own row and column only, over the
-/// pair steps in groups of 16 from 0. `out` holds `rows` rounded up to 32 rows of `cols` (the
-/// tiles past `rows` are written too). On this thread: attention's products
-/// (`--cpu-bf16-attention`), one task per thread already.
+/// `out[r·cols + c] (+)= Σ_i bf16 pair i of x's row r · pair i of column c`, for the `rows` rows
+/// of `x` (`[rows, 2 · w.icp]`, rounded to bf16 pairs here) and the `cols` columns of `w` (a
+/// multiple of 32): 2 × 2 tiles at a time, each sum from zero when `fresh` (else going on from the
+/// sums in `out`), from its own row and column only, over the pair steps in groups of 16 from 0.
+/// `out` holds `rows` rounded up to 32 rows of `cols` (the tiles past `rows` are written too). On
+/// this thread: attention's products (`--cpu-bf16-attention`), one task per thread already.
 pub(in crate::backend::cpu) fn tile_products(
     x: &[f32],
     rows: usize,
     w: &TileOperand<'_>,
-    cols: usize,
+    (cols, fresh): (usize, bool),
     out: &mut [f32],
 ) {
     let TileOperand {
@@ -324,7 +324,9 @@ pub(in crate::backend::cpu) fn tile_products(
         "rows of x, w and out"
     );
     if rows == 0 || icp == 0 {
-        out.fill(0.0);
+        if fresh {
+            out.fill(0.0);
+        }
         return;
     }
     let (a, steps) = tile_rows_here(x, rows, 2 * icp);
@@ -347,7 +349,7 @@ pub(in crate::backend::cpu) fn tile_products(
                     icp,
                 };
                 let c = out[r0 * cols + c0..].as_mut_ptr();
-                x86::kernel(&operands, (tiles_r, 2), c, cols * 4, true)
+                x86::kernel(&operands, (tiles_r, 2), c, cols * 4, fresh)
             };
         }
     }
