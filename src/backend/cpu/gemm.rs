@@ -392,6 +392,7 @@ fn by_panels(
     assert_eq!(x.len(), m * k, "x is not [{m}, {k}]");
     assert_eq!(y.len(), m * n, "y is not [{m}, {n}]");
     assert!(per_task > 0, "a task holds panels");
+    assert!(bias.is_none_or(|b| b.len() == n), "bias is not [{n}]");
     if m == 0 || n == 0 {
         return;
     }
@@ -407,12 +408,15 @@ fn by_panels(
         // outlives the parallel loop.
         let y = unsafe { std::slice::from_raw_parts_mut(y_addr as *mut f32, m * n) };
         range((p0, p1), y);
-    });
-    if let Some(b) = bias {
-        for row in y.chunks_mut(n) {
-            row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+        // The bias of the task's columns, on all threads (as one pass after the loop, it was a
+        // single-threaded sweep over all of `y`).
+        if let Some(b) = bias {
+            let (c0, c1) = (p0 * NR, (p1 * NR).min(n));
+            for row in y.chunks_mut(n) {
+                row[c0..c1].iter_mut().zip(&b[c0..c1]).for_each(|(v, b)| *v += b);
+            }
         }
-    }
+    });
 }
 
 thread_local! {
