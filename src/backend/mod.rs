@@ -143,19 +143,6 @@ pub trait Backend: Send + Sync {
     fn gelu_owned(&self, x: Self::Tensor, kind: Gelu) -> Result<Self::Tensor> {
         self.gelu(&x, kind)
     }
-    /// `gelu(x) · Wᵀ (+ bias)`, the second half of a GELU MLP: [`gelu_owned`](Backend::gelu_owned)
-    /// then [`linear`](Backend::linear). A backend may apply the GELU as the product reads `x`
-    /// instead (the same bits), saving a pass over the MLP's widest activation.
-    fn gelu_linear(
-        &self,
-        x: Self::Tensor,
-        kind: Gelu,
-        w: &Self::Weight,
-        bias: Option<&Self::Weight>,
-    ) -> Result<Self::Tensor> {
-        let h = self.gelu_owned(x, kind)?;
-        self.linear(&h, w, bias)
-    }
     /// Non-causal attention within segments (varlen): rows `cu_seqlens[s]..cu_seqlens[s + 1]` attend
     /// to each other only. `q, k, v: [n, heads · head_dim]`.
     fn attention_segments(

@@ -88,8 +88,8 @@ impl<B: Backend> GeluMlp<B> {
     }
 
     pub fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
-        let h = self.fc1.forward(be, x)?;
-        be.gelu_linear(h, self.gelu, &self.fc2.weight, self.fc2.bias.as_ref())
+        let h = be.gelu_owned(self.fc1.forward(be, x)?, self.gelu)?;
+        self.fc2.forward(be, &h)
     }
 }
 

@@ -49,8 +49,7 @@ pub(super) use pack::transpose16;
 
 use bf16::BF16_DOT;
 pub use bf16::{
-    bf16_dot, bf16_dot_available, gemm_bf16_dot, gemm_bf16_dot_mapped, gemm_bf16_dot_with, set_bf16_dot,
-    takes_bf16_dot, Bf16Kernel, RowMap,
+    bf16_dot, bf16_dot_available, gemm_bf16_dot, gemm_bf16_dot_with, set_bf16_dot, takes_bf16_dot, Bf16Kernel,
 };
 
 /// Output columns per panel (one AVX-512 register of f32).

@@ -332,30 +332,6 @@ impl Backend for CpuBackend {
         Ok(ops::linear(x, w, bias))
     }
 
-    fn gelu_linear(
-        &self,
-        x: CpuTensor,
-        kind: Gelu,
-        w: &CpuWeight,
-        bias: Option<&CpuWeight>,
-    ) -> Result<CpuTensor> {
-        // With bf16 products the GEMM copies `x` once anyway, rounding it as it lays it out; the
-        // GELU is applied to each row in that pass (the same bits as a GELU pass first).
-        let fused = gemm::bf16_dot() && w.row_major().is_some_and(|m| gemm::takes_bf16_dot(&m));
-        if !fused {
-            let h = self.gelu_owned(x, kind)?;
-            return self.linear(&h, w, bias);
-        }
-        let mut op = profile::start("gelu_linear");
-        check::linear(x.cols, &w.shape, bias.map(|b| &b.shape[..]))?;
-        op.flops(2.0 * x.rows as f64 * w.shape[0] as f64 * x.cols as f64);
-        let gelu: gemm::RowMap<'_> = match kind {
-            Gelu::Tanh => &ops::gelu_tanh_all,
-            Gelu::Erf => &|row: &mut [f32]| row.iter_mut().for_each(|v| *v = ops::gelu_erf(*v)),
-        };
-        Ok(ops::linear_mapped(&x, w, bias, gelu))
-    }
-
     fn rms_norm(&self, x: &CpuTensor, weight: &CpuWeight, eps: f32) -> Result<CpuTensor> {
         let _op = profile::start("rms_norm");
         let g = weight.len();

@@ -18,26 +18,6 @@ pub(super) fn linear(x: &CpuTensor, w: &CpuWeight, bias: Option<&CpuWeight>) -> 
     }
 }
 
-/// [`linear`] of `map(x)` on the bf16 GEMM, each row of `x` mapped as the GEMM lays it out (see
-/// [`super::gemm::gemm_bf16_dot_mapped`]); `w` takes bf16 products (checked by the caller).
-pub(super) fn linear_mapped(
-    x: &CpuTensor,
-    w: &CpuWeight,
-    bias: Option<&CpuWeight>,
-    map: super::gemm::RowMap<'_>,
-) -> CpuTensor {
-    let w = w.matrix().expect("linear weights are 2-D");
-    let mut bias_buf = Vec::new();
-    let bias = bias.map(|b| b.all(&mut bias_buf));
-    let mut data = vec![0f32; x.rows * w.n];
-    super::gemm::gemm_bf16_dot_mapped(&x.data, x.rows, &w, bias, &mut data, map);
-    CpuTensor {
-        data,
-        rows: x.rows,
-        cols: w.n,
-    }
-}
-
 multiversion! {
     /// `g ← silu(g) · u = g / (1 + e^-g) · u`, elementwise.
     pub(super) fn silu_mul(g: &mut [f32], u: &[f32]) {

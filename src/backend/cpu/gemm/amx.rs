@@ -127,17 +127,16 @@ struct Aligned<T>(T);
 /// `steps`. A tile loaded from the rows of a row-major copy would take its 16 rows `2k` bytes
 /// apart, a multiple of 4 KiB at every Qwen-VL width: one L1 set for all of them. Row tiles are
 /// rounded on all threads.
-/// With `map`, each row is mapped (in a copy) before it is rounded.
-pub(super) fn tile_rows(x: &[f32], m: usize, k: usize, map: Option<super::RowMap<'_>>) -> (Lines, usize) {
+pub(super) fn tile_rows(x: &[f32], m: usize, k: usize) -> (Lines, usize) {
     use rayon::prelude::*;
-    tile_rows_with((x, map), m, k, |tiles, tile_lines, fill| {
+    tile_rows_with(x, m, k, |tiles, tile_lines, fill| {
         tiles.par_chunks_mut(tile_lines).enumerate().for_each(fill)
     })
 }
 
 /// [`tile_rows`] on this thread (attention's tasks, already one per thread).
 fn tile_rows_here(x: &[f32], m: usize, k: usize) -> (Lines, usize) {
-    tile_rows_with((x, None), m, k, |tiles, tile_lines, fill| {
+    tile_rows_with(x, m, k, |tiles, tile_lines, fill| {
         tiles.chunks_mut(tile_lines).enumerate().for_each(fill)
     })
 }
@@ -147,7 +146,7 @@ type Uninit = [std::mem::MaybeUninit<Line>];
 
 /// [`tile_rows`], each row tile filled by `fill` as `each` hands them out.
 fn tile_rows_with(
-    (x, map): (&[f32], Option<super::RowMap<'_>>),
+    x: &[f32],
     m: usize,
     k: usize,
     each: impl FnOnce(&mut Uninit, usize, &(dyn Fn((usize, &mut Uninit)) + Sync)),
@@ -164,19 +163,10 @@ fn tile_rows_with(
     let mut lines = Vec::with_capacity(len);
     let fill = |(t, tile): (usize, &mut Uninit)| {
         let mut row = vec![0u32; kp];
-        let mut mapped = vec![0f32; if map.is_some() { k } else { 0 }];
         for j in 0..TR {
             let r = t * TR + j;
             if r < m {
-                let x = &x[r * k..(r + 1) * k];
-                match map {
-                    Some(f) => {
-                        mapped.copy_from_slice(x);
-                        f(&mut mapped);
-                        super::dot_bf16::round_pairs_into(&mapped, &mut row);
-                    }
-                    None => super::dot_bf16::round_pairs_into(x, &mut row),
-                }
+                super::dot_bf16::round_pairs_into(&x[r * k..(r + 1) * k], &mut row);
             }
             for s in 0..steps {
                 let mut line = Line::default();

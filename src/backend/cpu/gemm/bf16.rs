@@ -115,72 +115,27 @@ pub fn gemm_bf16_dot_with(
     bias: Option<&[f32]>,
     y: &mut [f32],
 ) {
-    dot_with(kernel, x, m, w, bias, y, None)
-}
-
-/// An elementwise map of a row of `x` (an activation), in place.
-pub type RowMap<'a> = &'a (dyn Fn(&mut [f32]) + Sync);
-
-/// [`gemm_bf16_dot`] of `map(x)`: each row of `x` is mapped (in a copy) just before it is rounded
-/// to bf16, so that an activation between two linears (the vision MLP's GELU) rides along the pass
-/// that lays `x` out instead of making one over memory of its own. The same bits as mapping `x`
-/// first, whenever `map` is elementwise.
-///
-/// # Panics
-/// As [`gemm_bf16_dot`].
-pub fn gemm_bf16_dot_mapped(
-    x: &[f32],
-    m: usize,
-    w: &Matrix<'_>,
-    bias: Option<&[f32]>,
-    y: &mut [f32],
-    map: RowMap<'_>,
-) {
-    let kernel = Bf16Kernel::detect().unwrap_or_else(|| panic!("{}", bf16_dot_unavailable()));
-    dot_with(kernel, x, m, w, bias, y, Some(map))
-}
-
-/// [`gemm_bf16_dot_with`] on `map(x)` where there is a map.
-fn dot_with(
-    kernel: Bf16Kernel,
-    x: &[f32],
-    m: usize,
-    w: &Matrix<'_>,
-    bias: Option<&[f32]>,
-    y: &mut [f32],
-    map: Option<RowMap<'_>>,
-) {
     assert!(kernel.available(), "{kernel:?} is not available on this CPU");
     assert!(takes_bf16_dot(w), "a bf16 weight with an even k");
     #[cfg(target_arch = "x86_64")]
     {
         assert_eq!(x.len(), m * w.k, "x is not [{m}, {}]", w.k);
-        // The paths that round all of `x` at once take a mapped copy; the many-row AMX path maps
-        // each row as it lays the tiles out.
-        let mapped = |x: &[f32]| match map {
-            Some(f) => {
-                let mut v = x.to_vec();
-                v.chunks_mut(w.k.max(1)).for_each(f);
-                dot_bf16::round_pairs(&v)
-            }
-            None => dot_bf16::round_pairs(x),
-        };
         match kernel {
             Bf16Kernel::Amx if m <= amx::FEW_ROWS => {
-                let a = mapped(x);
+                let a = dot_bf16::round_pairs(x);
                 let (xt, kpp) = amx::transpose_rows(&a, m, w.k / 2);
                 by_panels(x, m, w, bias, y, None, |p, y| {
                     amx::few_rows(xt.words(), kpp, m, w, p, y)
                 });
             }
             Bf16Kernel::Amx => {
-                let (a, steps) = amx::tile_rows(x, m, w.k, map);
+                let (a, steps) = amx::tile_rows(x, m, w.k);
                 let run = |p, y: &mut [f32]| amx::panel_range(a.words(), steps, m, w, p, y);
                 let per_task = amx::task_panels(m, w.n, rayon::current_num_threads());
                 by_panels(x, m, w, bias, y, per_task, run);
             }
             Bf16Kernel::Avx512Bf16 => {
-                let a = mapped(x);
+                let a = dot_bf16::round_pairs(x);
                 by_panels(x, m, w, bias, y, None, |(p0, p1), y| {
                     dot_bf16::panel_range(&a, m, w, p0, p1, y)
                 });
