@@ -13,7 +13,7 @@ llama.cpp is what CPU users pick, so issue 29 measures against it as well as aga
    the decoder and (``--mmproj``) the vision tower;
 3. alternates ``recall generate --backend cpu --json --profile`` (the chat of ``tools/cpu_compare.py``,
    about --prompt-tokens text tokens; for a bf16 model also with ``--cpu-bf16-dot``, recall's bf16
-   arithmetic, the like of llama.cpp's) with ``llama-bench -p N -n 16 -d 0,N`` at recall's prompt
+   arithmetic, the like of llama.cpp's, and on AMX CPUs with ``--cpu-bf16-attention`` too) with ``llama-bench -p N -n 16 -d 0,N`` at recall's prompt
    length N, --repeats times, and prints medians: prefill seconds, decode ms/token (recall decodes
    after the prompt, so llama.cpp's decode is read at depth N too; depth 0 is shown beside it) and
    the ratios recall / llama.cpp;
@@ -167,11 +167,23 @@ def run_llama_bench(binary, model, prompt, new_tokens, threads):
     }
 
 
+def recall_modes(outtype):
+    """recall's arithmetic modes for a checkpoint: exact; for bf16 also --cpu-bf16-dot, and with
+    --cpu-bf16-attention as well where the CPU has AMX-BF16."""
+    modes = [[]]
+    if outtype == "bf16":
+        modes.append(["--cpu-bf16-dot"])
+        flags = pathlib.Path("/proc/cpuinfo").read_text() if pathlib.Path("/proc/cpuinfo").exists() else ""
+        if " amx_bf16" in flags:
+            modes.append(["--cpu-bf16-dot", "--cpu-bf16-attention"])
+    return modes
+
+
 def compare(args, work, src, bench, model_dir, messages_path):
-    """One row per recall mode (exact; for bf16 also --cpu-bf16-dot) against llama.cpp, all interleaved."""
+    """One row per recall mode (`recall_modes`) against llama.cpp, all interleaved."""
     outtype = checkpoint_dtype(model_dir)
     model = gguf(work, src, model_dir, outtype)
-    modes = [[]] + ([["--cpu-bf16-dot"]] if outtype == "bf16" else [])
+    modes = recall_modes(outtype)
     recs, lcps = [[] for _ in modes], []
     for _ in range(args.repeats):
         for mode, runs in zip(modes, recs):
@@ -198,7 +210,7 @@ def compare_vision(args, work, src, bench, model_dir, messages_path):
     model, mmproj = gguf(work, src, model_dir, outtype), gguf(work, src, model_dir, outtype, mmproj=True)
     cli = bench.parent / "llama-mtmd-cli"
     image = json.loads(pathlib.Path(messages_path).read_text())[0]["content"][0]["image"]
-    modes = [[]] + ([["--cpu-bf16-dot"]] if outtype == "bf16" else [])
+    modes = recall_modes(outtype)
     recs, lcps = [[] for _ in modes], []
     for _ in range(args.repeats):
         for mode, runs in zip(modes, recs):
