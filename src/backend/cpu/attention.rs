@@ -18,6 +18,9 @@
 //! The earlier kernel summed each score as 16 lanes of rounded products with a tree, and each
 //! output as a rounded product then a rounded sum per key: twice the instructions of an FMA chain,
 //! and a horizontal reduction per score (docs/PERFORMANCE.md, 2026-12-06).
+//!
+//! With `--cpu-bf16-attention` ([`set_bf16_attention`]) the same runs and tasks multiply in bf16
+//! on AMX tiles instead, under a definition of their own that keeps the same guarantee (`bf16.rs`).
 
 use std::sync::Arc;
 
