@@ -8,13 +8,9 @@
 
 mod common;
 
-use std::path::Path;
-
-use common::{fixture, max_abs_diff, Reference};
+use common::assert_tiny_bf16_model_near_hf;
 use recall::backend::cpu::gemm::{set_bf16_dot, Bf16Kernel};
-use recall::backend::cpu::{bf16_attention, set_bf16_attention, CpuBackend};
-use recall::engine::Pipeline;
-use recall::tokenize::chat::parse_messages;
+use recall::backend::cpu::{bf16_attention, set_bf16_attention};
 
 /// The bound of `tests/cpu_bf16_dot.rs` (whose GEMM-only mode measured 0.084 on this model, and
 /// HF's own bf16 run 0.221): attention's bf16 products must not take the model past it.
@@ -27,19 +23,5 @@ fn tiny_bf16_model_with_bf16_attention_stays_near_hf() {
     set_bf16_dot(true).expect("AMX-BF16 CPUs have AVX512-BF16");
     set_bf16_attention(true).expect("the CPU has AMX-BF16");
     assert!(bf16_attention());
-    let dir = fixture("tiny-qwen3-vl-bf16");
-    let p = Pipeline::load(CpuBackend, &dir, Some(&fixture("tiny-tokenizer/tokenizer.json"))).unwrap();
-    let reference = Reference::load(&dir, "reference");
-    for (i, prompt) in reference.prompts().iter().enumerate() {
-        let messages = parse_messages(&prompt["messages"].to_string(), Path::new("fixture")).unwrap();
-        let got = p.prompt_logits(&messages).unwrap();
-        let (want, _) = reference.f32(&format!("p{i}.logits"));
-        let err = max_abs_diff(&got.logits, &want);
-        let spread = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-        eprintln!("prompt {i}: logits max abs error {err} (largest |logit| {spread})");
-        assert!(
-            err <= 0.15,
-            "prompt {i}: logits max abs error {err} with bf16 products"
-        );
-    }
+    assert_tiny_bf16_model_near_hf(0.15, "bf16 products");
 }

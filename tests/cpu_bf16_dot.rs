@@ -10,16 +10,11 @@
 
 mod common;
 
-use std::path::Path;
-
-use common::{fixture, max_abs_diff, Reference};
+use common::assert_tiny_bf16_model_near_hf;
 use recall::backend::cpu::gemm::{
     bf16_dot_available, gemm, gemm_bf16_dot, gemm_bf16_dot_with, gemm_with, set_bf16_dot, Bf16Kernel, Isa,
     Matrix, RowMajor,
 };
-use recall::backend::cpu::CpuBackend;
-use recall::engine::Pipeline;
-use recall::tokenize::chat::parse_messages;
 
 fn skip() -> bool {
     let skip = !bf16_dot_available();
@@ -230,19 +225,5 @@ fn tiny_bf16_model_stays_near_hf() {
         return;
     }
     set_bf16_dot(true).expect("the CPU has AVX512-BF16");
-    let dir = fixture("tiny-qwen3-vl-bf16");
-    let p = Pipeline::load(CpuBackend, &dir, Some(&fixture("tiny-tokenizer/tokenizer.json"))).unwrap();
-    let reference = Reference::load(&dir, "reference");
-    for (i, prompt) in reference.prompts().iter().enumerate() {
-        let messages = parse_messages(&prompt["messages"].to_string(), Path::new("fixture")).unwrap();
-        let got = p.prompt_logits(&messages).unwrap();
-        let (want, _) = reference.f32(&format!("p{i}.logits"));
-        let err = max_abs_diff(&got.logits, &want);
-        let spread = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-        eprintln!("prompt {i}: logits max abs error {err} (largest |logit| {spread})");
-        assert!(
-            err <= 0.15,
-            "prompt {i}: logits max abs error {err} with bf16 inputs"
-        );
-    }
+    assert_tiny_bf16_model_near_hf(0.15, "bf16 inputs");
 }

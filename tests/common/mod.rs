@@ -305,3 +305,25 @@ pub fn run_pytest(python_var: &str, script: &str, recall_bin: &str, needs: &str)
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// The tiny bf16 model (`tiny-qwen3-vl-bf16`) run on every reference prompt with whatever
+/// process-wide bf16 switches the caller set, each prompt's logits within `bound` of HF
+/// transformers' float32 ones (tools/gen_fixtures.py); `what` names the mode in the failure.
+pub fn assert_tiny_bf16_model_near_hf(bound: f32, what: &str) {
+    use recall::engine::Pipeline;
+    let dir = fixture("tiny-qwen3-vl-bf16");
+    let tokenizer = fixture("tiny-tokenizer/tokenizer.json");
+    let p = Pipeline::load(recall::backend::cpu::CpuBackend, &dir, Some(&tokenizer)).unwrap();
+    let reference = Reference::load(&dir, "reference");
+    for (i, prompt) in reference.prompts().iter().enumerate() {
+        let messages =
+            recall::tokenize::chat::parse_messages(&prompt["messages"].to_string(), Path::new("fixture"))
+                .unwrap();
+        let got = p.prompt_logits(&messages).unwrap();
+        let (want, _) = reference.f32(&format!("p{i}.logits"));
+        let err = max_abs_diff(&got.logits, &want);
+        let spread = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        eprintln!("prompt {i}: logits max abs error {err} (largest |logit| {spread})");
+        assert!(err <= bound, "prompt {i}: logits max abs error {err} with {what}");
+    }
+}

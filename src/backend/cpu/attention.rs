@@ -27,7 +27,7 @@ use std::sync::Arc;
 use rayon::prelude::*;
 
 use super::gemm::{gemm_panels, gemm_with, Isa, Matrix, Panels, RowMajor};
-use super::simd::{exp, multiversion};
+use super::simd::{combine_lanes, exp, multiversion};
 use super::CpuTensor;
 use crate::backend::{AttnShape, PagedSeq};
 
@@ -354,14 +354,7 @@ multiversion! {
         for (l, x) in tail.iter().enumerate() {
             acc[l] += *x;
         }
-        let mut width = LANES;
-        while width > 1 {
-            width /= 2;
-            for l in 0..width {
-                acc[l] += acc[l + width];
-            }
-        }
-        let sum = acc[0];
+        let sum = combine_lanes(acc);
         row.iter_mut().for_each(|x| *x /= sum);
     }
 }

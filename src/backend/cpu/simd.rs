@@ -77,6 +77,13 @@ fn dot_scalar(a: &[f32], b: &[f32]) -> f32 {
     for (l, (x, y)) in ra.iter().zip(rb).enumerate() {
         acc[l] += x * y;
     }
+    combine_lanes(acc)
+}
+
+/// The 16 lanes of a sum combined pairwise, `acc[l] += acc[l + 8]`, `+4`, `+2`, `+1`: the order
+/// every 16-lane reduction here (the dot product, both softmaxes) shares, so their bits agree.
+#[inline(always)]
+pub(crate) fn combine_lanes(mut acc: [f32; LANES]) -> f32 {
     let mut width = LANES;
     while width > 1 {
         width /= 2;

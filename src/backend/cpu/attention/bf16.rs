@@ -22,7 +22,7 @@
 
 use super::{AttnTask, KvRun, Rows, LANES};
 use crate::backend::cpu::gemm::{round_pairs_into, tile_products, TileOperand};
-use crate::backend::cpu::simd::multiversion;
+use crate::backend::cpu::simd::{combine_lanes, multiversion};
 use crate::backend::cpu::CpuTensor;
 
 /// Keys per `TDPBF16PS` step.
@@ -36,7 +36,8 @@ fn padded(d: usize) -> usize {
 }
 
 /// A run's keys and values rounded to bf16, once for all its tasks, as [`tile_products`] reads
-/// them: keys in panels of 16 ([`key_panels`]), values as pair rows ([`value_pairs`]).
+/// them: keys in panels of 16 ([`Rounding::key_panels`]), values as pair rows
+/// ([`Rounding::value_pairs`]).
 pub(super) struct Bf16Run {
     keys: Vec<u32>,
     values: Vec<u32>,
@@ -46,60 +47,84 @@ impl Bf16Run {
     pub(super) fn pack(run: &KvRun, (k, v): (&CpuTensor, &CpuTensor), d: usize) -> Bf16Run {
         let n = run.slots.len();
         let (n32, d32) = (padded(n), padded(d));
+        let mut scratch = Rounding::new(d);
         let mut keys = vec![0u32; n32 * d32 / 2];
-        key_panels(run.in_pool(k), (0, n32), (n, d), &mut keys);
+        scratch.key_panels(run.in_pool(k), (0, n32), n, &mut keys);
         let mut values = vec![0u32; n32 / 2 * d32];
-        value_pairs(run.in_pool(v), (0, n32), (n, d), &mut values);
+        scratch.value_pairs(run.in_pool(v), (0, n32), n, &mut values);
         Bf16Run { keys, values }
     }
 }
 
-/// Keys `j0..j1` (whole panels) in panels of 16: `[panels][d32 / 2][16]` words, lane `j % 16` of
-/// pair step `i` holding key `j`'s pair `i`; zero past the run's `n` keys and past `d`. Each panel's
-/// 16 keys are rounded as rows of pairs, then turned in 16 × 16 blocks in registers.
-fn key_panels(keys: Rows<'_>, (j0, j1): (usize, usize), (n, d): (usize, usize), out: &mut [u32]) {
-    let d32 = padded(d);
-    let (kp, panel_words) = (d32 / 2, d32 / 2 * PANEL);
-    let (mut row, mut pairs) = (vec![0f32; d32], vec![0u32; PANEL * kp]);
-    for (p, panel) in out[..(j1 - j0) * kp].chunks_mut(panel_words).enumerate() {
-        for (l, lane) in pairs.chunks_mut(kp).enumerate() {
-            let j = j0 + p * PANEL + l;
-            if j >= n {
-                lane.fill(0);
-            } else if d == d32 {
-                round_pairs_into(keys.row(j, d), lane);
-            } else {
-                row[..d].copy_from_slice(keys.row(j, d));
-                round_pairs_into(&row, lane);
+/// The scratch that rounding keys and values to bf16 needs, allocated once per run or per task:
+/// decode rounds a step of 32 keys at a time, and an allocation per step showed in its profile.
+struct Rounding {
+    d: usize,
+    /// One key widened to `d32` (zero past `d`), when `d` is not a multiple of 32.
+    row: Vec<f32>,
+    /// A panel's 16 keys as rows of pairs, before they are turned.
+    pairs: Vec<u32>,
+    /// The missing partner of an odd run's last value.
+    zeros: Vec<f32>,
+}
+
+impl Rounding {
+    fn new(d: usize) -> Rounding {
+        let d32 = padded(d);
+        Rounding {
+            d,
+            row: vec![0f32; d32],
+            pairs: vec![0u32; PANEL * d32 / 2],
+            zeros: vec![0f32; d],
+        }
+    }
+
+    /// Keys `j0..j1` (whole panels) in panels of 16: `[panels][d32 / 2][16]` words, lane `j % 16`
+    /// of pair step `i` holding key `j`'s pair `i`; zero past the run's `n` keys and past `d`.
+    /// Each panel's 16 keys are rounded as rows of pairs, then turned in 16 × 16 blocks in
+    /// registers.
+    fn key_panels(&mut self, keys: Rows<'_>, (j0, j1): (usize, usize), n: usize, out: &mut [u32]) {
+        let (d, d32) = (self.d, padded(self.d));
+        let (kp, panel_words) = (d32 / 2, d32 / 2 * PANEL);
+        for (p, panel) in out[..(j1 - j0) * kp].chunks_mut(panel_words).enumerate() {
+            for (l, lane) in self.pairs.chunks_mut(kp).enumerate() {
+                let j = j0 + p * PANEL + l;
+                if j >= n {
+                    lane.fill(0);
+                } else if d == d32 {
+                    round_pairs_into(keys.row(j, d), lane);
+                } else {
+                    self.row[..d].copy_from_slice(keys.row(j, d));
+                    round_pairs_into(&self.row, lane);
+                }
             }
+            // SAFETY: AMX-BF16 CPUs have AVX-512F (the bf16 path runs only there); `pairs` holds
+            // 16 lanes of `kp` words and `panel` `kp` steps of 16, `kp` a multiple of 16.
+            unsafe { x86::turn(&self.pairs, kp, panel) };
         }
-        // SAFETY: AMX-BF16 CPUs have AVX-512F (the bf16 path runs only there); `pairs` holds 16
-        // lanes of `kp` words and `panel` `kp` steps of 16, `kp` a multiple of 16.
-        unsafe { x86::turn(&pairs, kp, panel) };
+    }
+
+    /// Values `j0..j1` (`j0` even) as pair rows: `[(j1 - j0) / 2][d32]` words, word `c` of row
+    /// `i` the pair `(v_{j0+2i}[c], v_{j0+2i+1}[c])` rounded as `round_pairs` rounds; zero past
+    /// the run's `n` keys and past `d`.
+    fn value_pairs(&self, values: Rows<'_>, (j0, j1): (usize, usize), n: usize, out: &mut [u32]) {
+        let (d, d32) = (self.d, padded(self.d));
+        for (i, out) in out[..(j1 - j0) / 2 * d32].chunks_mut(d32).enumerate() {
+            let (a, b) = (j0 + 2 * i, j0 + 2 * i + 1);
+            if a >= n {
+                out.fill(0);
+                continue;
+            }
+            let v0 = values.row(a, d);
+            let v1 = if b < n { values.row(b, d) } else { &self.zeros[..] };
+            // SAFETY: as in `key_panels` (AVX512-BW and -BF16 come with AMX-BF16); `v0` and `v1`
+            // hold `d` floats and `out` `d32` words.
+            unsafe { x86::pair_rows(v0, v1, out) };
+        }
     }
 }
 
-/// Values `j0..j1` (`j0` even) as pair rows: `[(j1 - j0) / 2][d32]` words, word `c` of row `i`
-/// the pair `(v_{j0+2i}[c], v_{j0+2i+1}[c])` rounded as `round_pairs` rounds; zero past the run's
-/// `n` keys and past `d`.
-fn value_pairs(values: Rows<'_>, (j0, j1): (usize, usize), (n, d): (usize, usize), out: &mut [u32]) {
-    let d32 = padded(d);
-    let zeros = vec![0f32; d];
-    for (i, out) in out[..(j1 - j0) / 2 * d32].chunks_mut(d32).enumerate() {
-        let (a, b) = (j0 + 2 * i, j0 + 2 * i + 1);
-        if a >= n {
-            out.fill(0);
-            continue;
-        }
-        let v0 = values.row(a, d);
-        let v1 = if b < n { values.row(b, d) } else { &zeros[..] };
-        // SAFETY: as in `key_panels` (AVX512-BW and -BF16 come with AMX-BF16); `v0` and `v1` hold
-        // `d` floats and `out` `d32` words.
-        unsafe { x86::pair_rows(v0, v1, out) };
-    }
-}
-
-/// Keys from [`key_panels`] as [`tile_products`]' second operand: `d32 / 2` pair steps per panel.
+/// Keys from [`Rounding::key_panels`] as [`tile_products`]' second operand: `d32 / 2` pair steps per panel.
 fn key_operand(words: &[u32], d32: usize) -> TileOperand<'_> {
     TileOperand {
         words,
@@ -109,7 +134,7 @@ fn key_operand(words: &[u32], d32: usize) -> TileOperand<'_> {
     }
 }
 
-/// `icp` pair rows from [`value_pairs`] as [`tile_products`]' second operand.
+/// `icp` pair rows from [`Rounding::value_pairs`] as [`tile_products`]' second operand.
 fn value_operand(words: &[u32], icp: usize, d32: usize) -> TileOperand<'_> {
     TileOperand {
         words,
@@ -145,6 +170,8 @@ pub(super) fn attend(q: &CpuTensor, src: &Source<'_>, d: usize, scale: f32, t: &
         row[..d].copy_from_slice(&q.data[at..at + d]);
     }
     let rows32 = rows.div_ceil(STEP) * STEP;
+    // Used by a pool source only; as small as the task's other buffers.
+    let mut scratch = Rounding::new(d);
     let mut scores = vec![0f32; rows32 * nk];
     match src {
         Source::Packed(run) => {
@@ -155,7 +182,7 @@ pub(super) fn attend(q: &CpuTensor, src: &Source<'_>, d: usize, scale: f32, t: &
         } => {
             let (mut block, mut sums) = (vec![0u32; STEP * d32 / 2], vec![0f32; rows32 * STEP]);
             for j0 in (0..nk).step_by(STEP) {
-                key_panels(*pool, (j0, j0 + STEP), (*all, d), &mut block);
+                scratch.key_panels(*pool, (j0, j0 + STEP), *all, &mut block);
                 tile_products(&qs, rows, &key_operand(&block, d32), (STEP, true), &mut sums);
                 for (r, s) in sums.chunks(STEP).take(rows).enumerate() {
                     scores[r * nk + j0..][..STEP].copy_from_slice(s);
@@ -185,7 +212,7 @@ pub(super) fn attend(q: &CpuTensor, src: &Source<'_>, d: usize, scale: f32, t: &
             let (mut block, mut e) = (vec![0u32; STEP / 2 * d32], vec![0f32; rows * STEP]);
             // The sums stay in `out` between steps: the same chains, stored and reloaded.
             for j0 in (0..nk).step_by(STEP) {
-                value_pairs(*pool, (j0, j0 + STEP), (*all, d), &mut block);
+                scratch.value_pairs(*pool, (j0, j0 + STEP), *all, &mut block);
                 for (r, e) in e.chunks_mut(STEP).enumerate() {
                     e.copy_from_slice(&scores[r * nk + j0..][..STEP]);
                 }
@@ -243,14 +270,7 @@ multiversion! {
             *x = exp_fma(x.mul_add(scale, -max));
             acc[l] += *x;
         }
-        let mut width = LANES;
-        while width > 1 {
-            width /= 2;
-            for l in 0..width {
-                acc[l] += acc[l + width];
-            }
-        }
-        acc[0]
+        combine_lanes(acc)
     }
 }
 
