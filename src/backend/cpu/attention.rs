@@ -240,7 +240,7 @@ fn each_task(
     tasks: &[AttnTask],
     attend: impl Fn(&AttnTask) -> Vec<f32> + Sync,
 ) -> CpuTensor {
-    let mut out = vec![0f32; q.rows * q.cols];
+    let mut out = super::ops::zeros(q.rows * q.cols);
     let out_addr = out.as_mut_ptr() as usize;
     tasks.par_iter().for_each(|t| {
         let part = attend(t);

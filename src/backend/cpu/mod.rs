@@ -184,6 +184,59 @@ impl CpuWeight {
     }
 }
 
+/// The groups of an RMSNorm over `cols` columns with a weight of `g`: `g`, when it divides them.
+fn norm_groups(cols: usize, g: usize) -> Result<usize> {
+    if g == 0 || !cols.is_multiple_of(g) {
+        return Err(shape_err("rms_norm", format!("{cols} columns, weight of {g}")));
+    }
+    Ok(g)
+}
+
+/// The head size `d` of rotary tables `cos` and `sin` (`[x.rows, d]`, `d` even, dividing `x`'s
+/// columns).
+fn rope_tables(x: &CpuTensor, cos: &CpuTensor, sin: &CpuTensor) -> Result<usize> {
+    check::same("rope", (cos.rows, cos.cols), (sin.rows, sin.cols))?;
+    let d = cos.cols;
+    if cos.rows != x.rows || d == 0 || !d.is_multiple_of(2) || !x.cols.is_multiple_of(d) {
+        return Err(shape_err(
+            "rope",
+            format!("x [{}, {}] with tables [{}, {d}]", x.rows, x.cols, cos.rows),
+        ));
+    }
+    Ok(d)
+}
+
+/// `rope(rms_norm(x, w), cos, sin)` with the same bits, each row normed and rotated while it is in
+/// cache: q's and k's norms in `qk_norm_rope_write`.
+fn norm_rope(
+    x: &CpuTensor,
+    w: &CpuWeight,
+    eps: f32,
+    (cos, sin): (&CpuTensor, &CpuTensor),
+) -> Result<CpuTensor> {
+    let _op = profile::start("qk_norm_rope");
+    let g = norm_groups(x.cols, w.len())?;
+    let d = rope_tables(x, cos, sin)?;
+    if x.data.is_empty() {
+        return Ok(x.clone());
+    }
+    let mut buf = Vec::new();
+    let w = w.all(&mut buf);
+    let cols = x.cols;
+    let fill = |r: usize, out: &mut [std::mem::MaybeUninit<f32>]| {
+        for (x, out) in x.data[r * cols..(r + 1) * cols].chunks(g).zip(out.chunks_mut(g)) {
+            ops::rms_norm_into(x, w, eps, out);
+        }
+        // SAFETY: the groups, which tile the row, were all written just above.
+        let out = unsafe { ops::assume_written(out) };
+        let (c, s) = (&cos.data[r * d..(r + 1) * d], &sin.data[r * d..(r + 1) * d]);
+        out.chunks_mut(d).for_each(|head| ops::rope_head(head, c, s));
+    };
+    // SAFETY: `fill` writes every value of its row (its norm's groups tile it).
+    let data = unsafe { ops::rows_written(x.data.len(), cols, fill) };
+    Ok(CpuTensor { data, ..*x })
+}
+
 /// Embedding tables, read by row rather than multiplied.
 fn is_table(name: &str) -> bool {
     name.ends_with("embed_tokens.weight") || name.ends_with("pos_embed.weight")
@@ -276,7 +329,7 @@ impl Backend for CpuBackend {
     fn zeros(&self, rows: usize, cols: usize) -> Result<CpuTensor> {
         let _op = profile::start("zeros");
         Ok(CpuTensor {
-            data: vec![0.0; rows * cols],
+            data: ops::zeros(rows * cols),
             rows,
             cols,
         })
@@ -334,20 +387,21 @@ impl Backend for CpuBackend {
 
     fn rms_norm(&self, x: &CpuTensor, weight: &CpuWeight, eps: f32) -> Result<CpuTensor> {
         let _op = profile::start("rms_norm");
-        let g = weight.len();
-        if g == 0 || !x.cols.is_multiple_of(g) {
-            return Err(shape_err(
-                "rms_norm",
-                format!("{} columns, weight of {g}", x.cols),
-            ));
-        }
+        let g = norm_groups(x.cols, weight.len())?;
         let mut buf = Vec::new();
         let w = weight.all(&mut buf);
-        let mut out = x.clone();
-        out.data
-            .par_chunks_mut(g)
-            .for_each(|group| ops::rms_norm_group(group, w, eps));
-        Ok(out)
+        if x.data.is_empty() {
+            return Ok(x.clone());
+        }
+        let cols = x.cols;
+        let fill = |r: usize, out: &mut [std::mem::MaybeUninit<f32>]| {
+            for (x, out) in x.data[r * cols..(r + 1) * cols].chunks(g).zip(out.chunks_mut(g)) {
+                ops::rms_norm_into(x, w, eps, out);
+            }
+        };
+        // SAFETY: `rms_norm_into` writes every value of each group, and the groups tile the row.
+        let data = unsafe { ops::rows_written(x.data.len(), cols, fill) };
+        Ok(CpuTensor { data, ..*x })
     }
 
     fn scale(&self, x: &CpuTensor, s: f32) -> Result<CpuTensor> {
@@ -364,21 +418,45 @@ impl Backend for CpuBackend {
     fn add_owned(&self, mut a: CpuTensor, b: &CpuTensor) -> Result<CpuTensor> {
         let _op = profile::start("add");
         check::same("add", (a.rows, a.cols), (b.rows, b.cols))?;
-        a.data.iter_mut().zip(&b.data).for_each(|(o, b)| *o += b);
+        a.data
+            .par_chunks_mut(4096)
+            .zip(b.data.par_chunks(4096))
+            .for_each(|(a, b)| a.iter_mut().zip(b).for_each(|(o, b)| *o += b));
         Ok(a)
     }
 
     fn add_rms_norm_owned(
         &self,
-        x: CpuTensor,
+        mut x: CpuTensor,
         residual: &CpuTensor,
         weight: &CpuWeight,
         eps: f32,
     ) -> Result<(CpuTensor, CpuTensor)> {
-        // The default's composition, with the sum written over `x`.
-        let sum = self.add_owned(x, residual)?;
-        let normed = self.rms_norm(&sum, weight, eps)?;
-        Ok((sum, normed))
+        // The default's composition (the sum over `x`, then its norm), in one pass over the rows.
+        let _op = profile::start("add_rms_norm");
+        check::same("add", (x.rows, x.cols), (residual.rows, residual.cols))?;
+        let g = norm_groups(x.cols, weight.len())?;
+        let mut buf = Vec::new();
+        let w = weight.all(&mut buf);
+        let (len, cols) = (x.data.len(), x.cols);
+        if len == 0 {
+            return Ok((x.clone(), x));
+        }
+        let mut normed = Vec::with_capacity(len);
+        x.data
+            .par_chunks_mut(cols)
+            .zip(residual.data.par_chunks(cols))
+            .zip(normed.spare_capacity_mut()[..len].par_chunks_mut(cols))
+            .for_each(|((sum, r), out)| {
+                sum.iter_mut().zip(r).for_each(|(s, r)| *s += r);
+                for (s, out) in sum.chunks(g).zip(out.chunks_mut(g)) {
+                    ops::rms_norm_into(s, w, eps, out);
+                }
+            });
+        // SAFETY: the rows of `normed` (as many as `x` has) were each written in full above.
+        unsafe { normed.set_len(len) };
+        let normed = CpuTensor { data: normed, ..x };
+        Ok((x, normed))
     }
 
     fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> Result<CpuTensor> {
@@ -401,14 +479,7 @@ impl Backend for CpuBackend {
 
     fn rope_owned(&self, mut x: CpuTensor, cos: &CpuTensor, sin: &CpuTensor) -> Result<CpuTensor> {
         let _op = profile::start("rope");
-        check::same("rope", (cos.rows, cos.cols), (sin.rows, sin.cols))?;
-        let d = cos.cols;
-        if cos.rows != x.rows || d == 0 || !d.is_multiple_of(2) || !x.cols.is_multiple_of(d) {
-            return Err(shape_err(
-                "rope",
-                format!("x [{}, {}] with tables [{}, {d}]", x.rows, x.cols, cos.rows),
-            ));
-        }
+        let d = rope_tables(&x, cos, sin)?;
         let cols = x.cols;
         if cols == 0 {
             return Ok(x); // no heads (`par_chunks_mut` takes no empty chunks)
@@ -418,6 +489,29 @@ impl Backend for CpuBackend {
             row.chunks_mut(d).for_each(|head| ops::rope_head(head, c, s));
         });
         Ok(x)
+    }
+
+    fn qk_norm_rope_write(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        norms: Option<(&CpuWeight, &CpuWeight, f32)>,
+        (cos, sin): (&CpuTensor, &CpuTensor),
+        (k_pool, v_pool): (&mut CpuTensor, &mut CpuTensor),
+        slots: &[usize],
+    ) -> Result<CpuTensor> {
+        // The default's composition, each norm and its rotation in one pass over the rows.
+        let (q, k) = match norms {
+            Some((qn, kn, eps)) => (
+                norm_rope(q, qn, eps, (cos, sin))?,
+                norm_rope(k, kn, eps, (cos, sin))?,
+            ),
+            None => (self.rope(q, cos, sin)?, self.rope(k, cos, sin)?),
+        };
+        self.scatter_rows(k_pool, slots, &k, false)?;
+        self.scatter_rows(v_pool, slots, v, false)?;
+        Ok(q)
     }
 
     fn paged_attention(
@@ -453,11 +547,16 @@ impl Backend for CpuBackend {
         }
         let (mut wb, mut bb) = (Vec::new(), Vec::new());
         let (w, b) = (weight.all(&mut wb), bias.all(&mut bb));
-        let mut out = x.clone();
-        out.data
-            .par_chunks_mut(x.cols.max(1))
-            .for_each(|row| ops::layer_norm_row(row, w, b, eps));
-        Ok(out)
+        if x.data.is_empty() {
+            return Ok(x.clone());
+        }
+        let (cols, ones) = (x.cols, vec![1f32; x.cols]);
+        let fill = |r: usize, out: &mut [std::mem::MaybeUninit<f32>]| {
+            ops::layer_norm_into(&x.data[r * cols..(r + 1) * cols], (w, b, &ones), eps, out)
+        };
+        // SAFETY: `layer_norm_into` writes every value of its row.
+        let data = unsafe { ops::rows_written(x.data.len(), cols, fill) };
+        Ok(CpuTensor { data, ..*x })
     }
 
     fn gelu(&self, x: &CpuTensor, kind: Gelu) -> Result<CpuTensor> {
@@ -513,15 +612,25 @@ impl Backend for CpuBackend {
         if let Some(bad) = index.iter().find(|&&i| i >= x.rows) {
             return Err(shape_err("gather_rows", format!("row {bad} of {}", x.rows)));
         }
-        let mut data = Vec::with_capacity(index.len() * x.cols);
-        for &i in index {
-            data.extend_from_slice(&x.data[i * x.cols..(i + 1) * x.cols]);
+        let (rows, cols) = (index.len(), x.cols);
+        if rows == 0 || cols == 0 {
+            return Ok(CpuTensor {
+                data: Vec::new(),
+                rows,
+                cols,
+            });
         }
-        Ok(CpuTensor {
-            data,
-            rows: index.len(),
-            cols: x.cols,
-        })
+        let fill = |r: usize, out: &mut [std::mem::MaybeUninit<f32>]| {
+            let i = index[r];
+            out.iter_mut()
+                .zip(&x.data[i * cols..(i + 1) * cols])
+                .for_each(|(o, v)| {
+                    o.write(*v);
+                });
+        };
+        // SAFETY: `fill` writes every value of its row (a row of `x` as long).
+        let data = unsafe { ops::rows_written(rows * cols, cols, fill) };
+        Ok(CpuTensor { data, rows, cols })
     }
 
     fn scatter_rows(
@@ -556,16 +665,18 @@ impl Backend for CpuBackend {
         check::weighted_embedding(&table.shape, indices, weights, taps)?;
         let cols = table.row_len();
         let rows = indices.len() / taps;
-        let mut data = vec![0f32; rows * cols];
-        let mut buf = Vec::new();
-        for (r, out) in data.chunks_mut(cols).enumerate() {
-            for j in 0..taps {
-                let (i, w) = (indices[r * taps + j] as usize, weights[r * taps + j]);
-                out.iter_mut()
-                    .zip(table.row(i, &mut buf))
-                    .for_each(|(o, e)| *o += e * w);
-            }
-        }
+        let mut data = ops::zeros(rows * cols);
+        // Each row's sum in tap order, on all threads (a bf16 table widens rows into `buf`).
+        data.par_chunks_mut(cols.max(1))
+            .enumerate()
+            .for_each_init(Vec::new, |buf, (r, out)| {
+                for j in 0..taps {
+                    let (i, w) = (indices[r * taps + j] as usize, weights[r * taps + j]);
+                    out.iter_mut()
+                        .zip(table.row(i, buf))
+                        .for_each(|(o, e)| *o += e * w);
+                }
+            });
         Ok(CpuTensor { data, rows, cols })
     }
 
