@@ -12,8 +12,8 @@ mod common;
 
 use common::assert_tiny_bf16_model_near_hf;
 use recall::backend::cpu::gemm::{
-    bf16_dot_available, gemm, gemm_bf16_dot, gemm_bf16_dot_with, gemm_with, set_bf16_dot, Bf16Kernel, Isa,
-    Matrix, RowMajor,
+    bf16_dot_available, gemm, gemm_bf16_dot, gemm_bf16_dot_with, gemm_shared, gemm_with, set_bf16_dot,
+    Bf16Kernel, Isa, Matrix, RowMajor,
 };
 
 fn skip() -> bool {
@@ -212,6 +212,58 @@ fn the_switch_takes_bf16_weights_only() {
     gemm(&x, m, &f32w, None, &mut routed);
     gemm_with(Isa::detect(), &x, m, &f32w, None, &mut exact);
     assert_eq!(bits(&routed), bits(&exact), "an f32 weight stays exact");
+}
+
+/// Several weights on one `x` (q, k and v; gate and up), the tiles of `x` rounded once: each output
+/// has the bits of a `gemm` of its own, with biases or without, on few rows and on many, with a
+/// mixed f32 weight (which takes every weight off the shared path) and with none.
+#[test]
+fn shared_rows_give_each_weight_its_own_bits() {
+    if skip() {
+        return;
+    }
+    set_bf16_dot(true).expect("the CPU has AVX512-BF16");
+    let mut rng = fastrand::Rng::with_seed(10);
+    let k = 96;
+    for m in [3, 16, 17, 40, 100] {
+        let x: Vec<f32> = (0..m * k).map(|_| rng.f32() - 0.5).collect();
+        let widths = [48, 17, 70];
+        let stored: Vec<Vec<u8>> = widths.iter().map(|&n| weight(&mut rng, n, k, 1).0).collect();
+        let biases: Vec<Vec<f32>> = widths
+            .iter()
+            .map(|&n| (0..n).map(|_| rng.f32()).collect())
+            .collect();
+        let f: Vec<f32> = (0..32 * k).map(|_| rng.f32() - 0.5).collect();
+        let mut mats: Vec<Matrix<'_>> = widths
+            .iter()
+            .zip(&stored)
+            .map(|(&n, b)| Matrix::new(n, k, RowMajor::Bf16(&b[1..])))
+            .collect();
+        for mixed in [false, true] {
+            if mixed {
+                mats.push(Matrix::new(32, k, RowMajor::F32(&f)));
+            }
+            let bias = |i: usize| biases.get(i).filter(|_| i != 1).map(|b| &b[..]);
+            let mut outs: Vec<Vec<f32>> = mats.iter().map(|w| vec![f32::NAN; m * w.n]).collect();
+            let mut jobs: Vec<_> = mats
+                .iter()
+                .zip(outs.iter_mut())
+                .enumerate()
+                .map(|(i, (w, y))| (w, bias(i), y.as_mut_slice()))
+                .collect();
+            gemm_shared(&x, m, &mut jobs);
+            for (i, (w, got)) in mats.iter().zip(&outs).enumerate() {
+                let mut alone = vec![0f32; m * w.n];
+                gemm(&x, m, w, bias(i), &mut alone);
+                assert_eq!(
+                    bits(got),
+                    bits(&alone),
+                    "weight {i} of {m} rows (an f32 weight too: {mixed})"
+                );
+            }
+        }
+    }
+    gemm_shared(&[], 0, &mut []);
 }
 
 /// The tiny bf16 model with the switch on, against HF's float32 computation on its weights

@@ -254,3 +254,40 @@ fn fused_ops_refuse_bad_shapes() {
     let empty = be.upload(&[], 0, 64).unwrap();
     assert!(be.rms_norm(&empty, &w[1], 1e-6).unwrap().data.is_empty());
 }
+
+/// `linears` (one input, several weights) gives each weight the bits of its own `linear`, and
+/// refuses a weight whose input width differs.
+#[test]
+fn linears_are_each_linear() {
+    let be = CpuBackend;
+    let mut rng = fastrand::Rng::with_seed(34);
+    let k = 64;
+    let tensors = [
+        ("a", rand_vec(&mut rng, 48 * k, 1.0), vec![48, k]),
+        ("b", rand_vec(&mut rng, 17 * k, 1.0), vec![17, k]),
+        ("ab", rand_vec(&mut rng, 17, 1.0), vec![17]),
+        ("odd", rand_vec(&mut rng, 8 * 10, 1.0), vec![8, 10]),
+    ];
+    let ckpt = Bf16Checkpoint::new(&tensors);
+    let w = |n: &str| be.load_weight(ckpt.ckpt.get(n).unwrap()).unwrap();
+    let (a, b, ab, odd) = (w("a"), w("b"), w("ab"), w("odd"));
+    for rows in [1, 9, 40] {
+        let x = tensor(&mut rng, rows, k, 1.0);
+        let got = be.linears(&x, &[(&a, None), (&b, Some(&ab))]).unwrap();
+        assert_eq!(
+            got[0],
+            be.linear(&x, &a, None).unwrap(),
+            "the first of {rows} rows"
+        );
+        assert_eq!(
+            got[1],
+            be.linear(&x, &b, Some(&ab)).unwrap(),
+            "the second of {rows} rows"
+        );
+        let err = be.linears(&x, &[(&a, None), (&odd, None)]).unwrap_err();
+        assert!(
+            matches!(err, Error::Shape { .. } | Error::ShapeMismatch { .. }),
+            "{err}"
+        );
+    }
+}

@@ -87,6 +87,24 @@ pub trait Backend: Send + Sync {
     /// `x · Wᵀ (+ bias)` for `x: [n, in]`, `W: [out, in]`, `bias: [out]`.
     fn linear(&self, x: &Self::Tensor, w: &Self::Weight, bias: Option<&Self::Weight>)
         -> Result<Self::Tensor>;
+    /// [`linear`](Backend::linear) of one `x` by each `(weight, bias)` in turn, each output with
+    /// the bits `linear` gives it alone. A backend may prepare `x` once for all of them (the CPU's
+    /// bf16 tiles, for q, k and v or gate and up); the default just calls `linear`.
+    ///
+    /// ```
+    /// use recall::backend::{cpu::CpuBackend, Backend};
+    /// let be = CpuBackend;
+    /// let x = be.upload(&[1.0, 2.0], 1, 2)?;
+    /// assert!(be.linears(&x, &[]).unwrap().is_empty());
+    /// # Ok::<(), recall::Error>(())
+    /// ```
+    fn linears(
+        &self,
+        x: &Self::Tensor,
+        ws: &[(&Self::Weight, Option<&Self::Weight>)],
+    ) -> Result<Vec<Self::Tensor>> {
+        ws.iter().map(|&(w, b)| self.linear(x, w, b)).collect()
+    }
     /// RMSNorm over groups of `weight.len()` consecutive columns (one group per row for the
     /// hidden norm, one per head for q/k norms): `x / sqrt(mean(x²) + eps) · weight`.
     fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Weight, eps: f32) -> Result<Self::Tensor>;

@@ -2,7 +2,7 @@
 //! a [`Weights`] under its own name, and has a `forward`.
 
 use crate::backend::{Backend, Gelu};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::model::weights::Weights;
 
 /// `x · Wᵀ (+ b)`: weight `[out, in]` (`{name}.weight`) and optionally bias `[out]` (`{name}.bias`).
@@ -23,6 +23,22 @@ impl<B: Backend> Linear<B> {
     pub fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
         be.linear(x, &self.weight, self.bias.as_ref())
     }
+}
+
+/// The [`Linear`]s of several layers on one input ([`Backend::linears`]: the CPU's bf16 path
+/// prepares `x` once for all), each output with the bits of its own `forward`.
+pub fn linears<B: Backend, const N: usize>(
+    be: &B,
+    x: &B::Tensor,
+    layers: [&Linear<B>; N],
+) -> Result<[B::Tensor; N]> {
+    let parts = layers.map(|l| (&l.weight, l.bias.as_ref()));
+    be.linears(x, &parts)?
+        .try_into()
+        .map_err(|got: Vec<_>| Error::Shape {
+            op: "linears".into(),
+            message: format!("{} outputs for {N} weights", got.len()),
+        })
 }
 
 /// LayerNorm with weight and bias `[d]` and a fixed eps.
@@ -111,7 +127,8 @@ impl<B: Backend> SwiGlu<B> {
     }
 
     pub fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
-        let g = be.silu_mul_owned(self.gate_proj.forward(be, x)?, &self.up_proj.forward(be, x)?)?;
+        let [gate, up] = linears(be, x, [&self.gate_proj, &self.up_proj])?;
+        let g = be.silu_mul_owned(gate, &up)?;
         self.down_proj.forward(be, &g)
     }
 }

@@ -13,7 +13,7 @@ use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 use crate::model::config::TextConfig;
 use crate::model::hgkv::{Adapter, LayerLora};
-use crate::model::layers::{Linear, RmsNorm, SwiGlu};
+use crate::model::layers::{linears, Linear, RmsNorm, SwiGlu};
 use crate::model::mrope::{MRope, Positions};
 use crate::model::weights::Weights;
 
@@ -65,9 +65,7 @@ impl<B: Backend> Attention<B> {
         ctx: &StepCtx<'_, B>,
     ) -> Result<B::Tensor> {
         let be = ctx.be;
-        let q = self.q_proj.forward(be, h)?;
-        let mut k = self.k_proj.forward(be, h)?;
-        let mut v = self.v_proj.forward(be, h)?;
+        let [q, mut k, mut v] = linears(be, h, [&self.q_proj, &self.k_proj, &self.v_proj])?;
         // HGKV: the adapter touches only its rows; with none, its code does not run (exact bypass).
         if let (Some(l), Some((adapter, rows))) = (lora, ctx.adapter) {
             let h_rows = be.gather_rows(h, rows)?;

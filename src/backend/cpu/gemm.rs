@@ -49,7 +49,8 @@ pub(super) use pack::transpose16;
 
 use bf16::BF16_DOT;
 pub use bf16::{
-    bf16_dot, bf16_dot_available, gemm_bf16_dot, gemm_bf16_dot_with, set_bf16_dot, takes_bf16_dot, Bf16Kernel,
+    bf16_dot, bf16_dot_available, gemm_bf16_dot, gemm_bf16_dot_with, gemm_shared, set_bf16_dot,
+    takes_bf16_dot, Bf16Kernel, GemmJob,
 };
 
 /// Output columns per panel (one AVX-512 register of f32).

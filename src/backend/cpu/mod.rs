@@ -385,6 +385,20 @@ impl Backend for CpuBackend {
         Ok(ops::linear(x, w, bias))
     }
 
+    fn linears(&self, x: &CpuTensor, ws: &[(&CpuWeight, Option<&CpuWeight>)]) -> Result<Vec<CpuTensor>> {
+        if x.rows < gemm::MR || ws.len() < 2 {
+            return ws.iter().map(|&(w, b)| self.linear(x, w, b)).collect();
+        }
+        let mut op = profile::start("linear");
+        let mut flops = 0.0;
+        for &(w, b) in ws {
+            check::linear(x.cols, &w.shape, b.map(|b| &b.shape[..]))?;
+            flops += 2.0 * x.rows as f64 * w.shape[0] as f64 * x.cols as f64;
+        }
+        op.flops(flops);
+        Ok(ops::linears(x, ws))
+    }
+
     fn rms_norm(&self, x: &CpuTensor, weight: &CpuWeight, eps: f32) -> Result<CpuTensor> {
         let _op = profile::start("rms_norm");
         let g = norm_groups(x.cols, weight.len())?;

@@ -22,6 +22,38 @@ pub(super) fn linear(x: &CpuTensor, w: &CpuWeight, bias: Option<&CpuWeight>) -> 
     }
 }
 
+/// [`linear`] of one `x` by each `(weight, bias)`, through [`gemm_shared`](super::gemm::gemm_shared)
+/// (the bf16 tiles of `x` rounded once for all); every weight 2-D (checked by the caller).
+pub(super) fn linears(x: &CpuTensor, ws: &[(&CpuWeight, Option<&CpuWeight>)]) -> Vec<CpuTensor> {
+    let mats: Vec<_> = ws
+        .iter()
+        .map(|(w, _)| w.matrix().expect("linear weights are 2-D"))
+        .collect();
+    let mut bias_bufs = vec![Vec::new(); ws.len()];
+    let biases: Vec<Option<&[f32]>> = ws
+        .iter()
+        .zip(bias_bufs.iter_mut())
+        .map(|((_, b), buf)| b.map(|b| b.all(buf)))
+        .collect();
+    let mut outs: Vec<Vec<f32>> = mats.iter().map(|w| zeros(x.rows * w.n)).collect();
+    let mut jobs: Vec<_> = mats
+        .iter()
+        .zip(biases)
+        .zip(outs.iter_mut())
+        .map(|((w, b), y)| (w, b, y.as_mut_slice()))
+        .collect();
+    super::gemm::gemm_shared(&x.data, x.rows, &mut jobs);
+    drop(jobs);
+    outs.into_iter()
+        .zip(&mats)
+        .map(|(data, w)| CpuTensor {
+            data,
+            rows: x.rows,
+            cols: w.n,
+        })
+        .collect()
+}
+
 multiversion! {
     /// `g ← silu(g) · u = g / (1 + e^-g) · u`, elementwise.
     pub(super) fn silu_mul(g: &mut [f32], u: &[f32]) {

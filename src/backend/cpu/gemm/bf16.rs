@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 
 #[cfg(target_arch = "x86_64")]
 use super::{amx, by_panels, dot_bf16};
-use super::{Matrix, RowMajor};
+use super::{gemm, Matrix, RowMajor};
 use crate::{Error, Result};
 
 /// Whether calls on bf16 weights go through AVX512-BF16 (see [`set_bf16_dot`]).
@@ -130,9 +130,7 @@ pub fn gemm_bf16_dot_with(
             }
             Bf16Kernel::Amx => {
                 let (a, steps) = amx::tile_rows(x, m, w.k);
-                let run = |p, y: &mut [f32]| amx::panel_range(a.words(), steps, m, w, p, y);
-                let per_task = amx::task_panels(m, w.n, rayon::current_num_threads());
-                by_panels(x, m, w, bias, y, per_task, run);
+                amx_panels((&a, steps), x, m, w, bias, y);
             }
             Bf16Kernel::Avx512Bf16 => {
                 let a = dot_bf16::round_pairs(x);
@@ -141,5 +139,57 @@ pub fn gemm_bf16_dot_with(
                 });
             }
         }
+    }
+}
+
+/// One weight of [`gemm_shared`]: the weight, its bias and its output `y`.
+pub type GemmJob<'a, 'w> = (&'a Matrix<'w>, Option<&'a [f32]>, &'a mut [f32]);
+
+/// [`gemm`] of one `x` (`[m, k]`) by each `(w, bias, y)` of `jobs`, each `y` with the bits `gemm`
+/// gives it alone. Where `gemm` would round `x` into AMX tiles for each weight (`--cpu-bf16-dot`
+/// on many rows), it rounds them once for all.
+pub fn gemm_shared(x: &[f32], m: usize, jobs: &mut [GemmJob<'_, '_>]) {
+    #[cfg(target_arch = "x86_64")]
+    if bf16_dot() && jobs.iter().all(|(w, ..)| takes_bf16_dot(w) && w.k == jobs[0].0.k) && shares_amx_tiles(m)
+    {
+        return amx_shared(x, m, jobs);
+    }
+    for (w, bias, y) in jobs.iter_mut() {
+        gemm(x, m, w, *bias, y);
+    }
+}
+
+/// Every panel of `w` on the row tiles `a` of `x` (from [`amx::tile_rows`]) into `y`.
+#[cfg(target_arch = "x86_64")]
+fn amx_panels(
+    (a, steps): (&amx::Lines, usize),
+    x: &[f32],
+    m: usize,
+    w: &Matrix<'_>,
+    bias: Option<&[f32]>,
+    y: &mut [f32],
+) {
+    let run = |p, y: &mut [f32]| amx::panel_range(a.words(), steps, m, w, p, y);
+    let per_task = amx::task_panels(m, w.n, rayon::current_num_threads());
+    by_panels(x, m, w, bias, y, per_task, run);
+}
+
+/// Whether [`gemm_bf16_dot`] on `m` rows rounds `x` into AMX tiles (which [`amx_shared`] can share).
+#[cfg(target_arch = "x86_64")]
+pub(super) fn shares_amx_tiles(m: usize) -> bool {
+    m > amx::FEW_ROWS && Bf16Kernel::detect() == Some(Bf16Kernel::Amx)
+}
+
+/// [`gemm_bf16_dot`] of one `x` by each job's weight (all bf16, of one `k`), on row tiles rounded
+/// once: each `y` has the bits a call of its own gives it.
+#[cfg(target_arch = "x86_64")]
+pub(super) fn amx_shared(x: &[f32], m: usize, jobs: &mut [GemmJob<'_, '_>]) {
+    let Some(k) = jobs.first().map(|(w, ..)| w.k) else {
+        return;
+    };
+    assert_eq!(x.len(), m * k, "x is not [{m}, {k}]");
+    let (a, steps) = amx::tile_rows(x, m, k);
+    for (w, bias, y) in jobs.iter_mut() {
+        amx_panels((&a, steps), x, m, w, *bias, y);
     }
 }
