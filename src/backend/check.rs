@@ -13,6 +13,28 @@ pub(crate) fn shape_err(op: &str, msg: String) -> Error {
     }
 }
 
+/// `rms_norm` over groups of `g` columns of `cols`: `g`, when it is non-zero and divides them.
+pub(crate) fn rms_norm_groups(cols: usize, g: usize) -> Result<usize> {
+    if g == 0 || !cols.is_multiple_of(g) {
+        return Err(shape_err("rms_norm", format!("{cols} columns, weight of {g}")));
+    }
+    Ok(g)
+}
+
+/// `rope` of `x` with tables `cos` and `sin`, both `[x rows, d]` with `d` even and dividing `x`'s
+/// columns: `d`.
+pub(crate) fn rope(x: (usize, usize), cos: (usize, usize), sin: (usize, usize)) -> Result<usize> {
+    same("rope", cos, sin)?;
+    let d = cos.1;
+    if cos.0 != x.0 || d == 0 || !d.is_multiple_of(2) || !x.1.is_multiple_of(d) {
+        return Err(shape_err(
+            "rope",
+            format!("x [{}, {}] with tables [{}, {d}]", x.0, x.1, cos.0),
+        ));
+    }
+    Ok(d)
+}
+
 /// `paged_attention`: q `[Σ rows, q_heads · d]`, pools `[slots, kv_heads · d]`, and every sequence's
 /// block table inside the pool and long enough for its context.
 pub(crate) fn paged_attention(

@@ -184,28 +184,6 @@ impl CpuWeight {
     }
 }
 
-/// The groups of an RMSNorm over `cols` columns with a weight of `g`: `g`, when it divides them.
-fn norm_groups(cols: usize, g: usize) -> Result<usize> {
-    if g == 0 || !cols.is_multiple_of(g) {
-        return Err(shape_err("rms_norm", format!("{cols} columns, weight of {g}")));
-    }
-    Ok(g)
-}
-
-/// The head size `d` of rotary tables `cos` and `sin` (`[x.rows, d]`, `d` even, dividing `x`'s
-/// columns).
-fn rope_tables(x: &CpuTensor, cos: &CpuTensor, sin: &CpuTensor) -> Result<usize> {
-    check::same("rope", (cos.rows, cos.cols), (sin.rows, sin.cols))?;
-    let d = cos.cols;
-    if cos.rows != x.rows || d == 0 || !d.is_multiple_of(2) || !x.cols.is_multiple_of(d) {
-        return Err(shape_err(
-            "rope",
-            format!("x [{}, {}] with tables [{}, {d}]", x.rows, x.cols, cos.rows),
-        ));
-    }
-    Ok(d)
-}
-
 /// `rope(rms_norm(x, w), cos, sin)` with the same bits, each row normed and rotated while it is in
 /// cache: q's and k's norms in `qk_norm_rope_write`.
 fn norm_rope(
@@ -215,8 +193,8 @@ fn norm_rope(
     (cos, sin): (&CpuTensor, &CpuTensor),
 ) -> Result<CpuTensor> {
     let _op = profile::start("qk_norm_rope");
-    let g = norm_groups(x.cols, w.len())?;
-    let d = rope_tables(x, cos, sin)?;
+    let g = check::rms_norm_groups(x.cols, w.len())?;
+    let d = check::rope((x.rows, x.cols), (cos.rows, cos.cols), (sin.rows, sin.cols))?;
     if x.data.is_empty() {
         return Ok(x.clone());
     }
@@ -401,7 +379,7 @@ impl Backend for CpuBackend {
 
     fn rms_norm(&self, x: &CpuTensor, weight: &CpuWeight, eps: f32) -> Result<CpuTensor> {
         let _op = profile::start("rms_norm");
-        let g = norm_groups(x.cols, weight.len())?;
+        let g = check::rms_norm_groups(x.cols, weight.len())?;
         let mut buf = Vec::new();
         let w = weight.all(&mut buf);
         if x.data.is_empty() {
@@ -449,7 +427,7 @@ impl Backend for CpuBackend {
         // The default's composition (the sum over `x`, then its norm), in one pass over the rows.
         let _op = profile::start("add_rms_norm");
         check::same("add", (x.rows, x.cols), (residual.rows, residual.cols))?;
-        let g = norm_groups(x.cols, weight.len())?;
+        let g = check::rms_norm_groups(x.cols, weight.len())?;
         let mut buf = Vec::new();
         let w = weight.all(&mut buf);
         let (len, cols) = (x.data.len(), x.cols);
@@ -493,7 +471,7 @@ impl Backend for CpuBackend {
 
     fn rope_owned(&self, mut x: CpuTensor, cos: &CpuTensor, sin: &CpuTensor) -> Result<CpuTensor> {
         let _op = profile::start("rope");
-        let d = rope_tables(&x, cos, sin)?;
+        let d = check::rope((x.rows, x.cols), (cos.rows, cos.cols), (sin.rows, sin.cols))?;
         let cols = x.cols;
         if cols == 0 {
             return Ok(x); // no heads (`par_chunks_mut` takes no empty chunks)

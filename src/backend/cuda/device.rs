@@ -474,13 +474,7 @@ impl CudaBackend {
         weight: &CudaWeight,
         eps: f32,
     ) -> Result<CudaTensor> {
-        let g = weight.len();
-        if g == 0 || !x.cols.is_multiple_of(g) {
-            return Err(shape_err(
-                "rms_norm",
-                format!("{} columns, weight of {g}", x.cols),
-            ));
-        }
+        let g = check::rms_norm_groups(x.cols, weight.len())?;
         let groups = x.rows * x.cols / g;
         let out = self.alloc_tensor(x.rows, x.cols)?;
         if groups > 0 {

@@ -375,14 +375,7 @@ impl Backend for CudaBackend {
     }
 
     fn rope(&self, x: &CudaTensor, cos: &CudaTensor, sin: &CudaTensor) -> Result<CudaTensor> {
-        check::same("rope", (cos.rows, cos.cols), (sin.rows, sin.cols))?;
-        let d = cos.cols;
-        if cos.rows != x.rows || d == 0 || !d.is_multiple_of(2) || !x.cols.is_multiple_of(d) {
-            return Err(shape_err(
-                "rope",
-                format!("x [{}, {}] with tables [{}, {d}]", x.rows, x.cols, cos.rows),
-            ));
-        }
+        let d = check::rope((x.rows, x.cols), (cos.rows, cos.cols), (sin.rows, sin.cols))?;
         let out = self.alloc_tensor(x.rows, x.cols)?;
         let heads = x.cols / d;
         let pairs = x.rows * heads * d / 2;
