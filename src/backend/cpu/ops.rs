@@ -10,16 +10,8 @@ use super::{CpuTensor, CpuWeight};
 /// `x · Wᵀ (+ bias)` through the GEMM (see `gemm.rs` for its fixed reduction order); `w` is 2-D
 /// (checked by the caller).
 pub(super) fn linear(x: &CpuTensor, w: &CpuWeight, bias: Option<&CpuWeight>) -> CpuTensor {
-    let w = w.matrix().expect("linear weights are 2-D");
-    let mut bias_buf = Vec::new();
-    let bias = bias.map(|b| b.all(&mut bias_buf));
-    let mut data = zeros(x.rows * w.n);
-    super::gemm::gemm(&x.data, x.rows, &w, bias, &mut data);
-    CpuTensor {
-        data,
-        rows: x.rows,
-        cols: w.n,
-    }
+    let mut one = linears(x, &[(w, bias)]);
+    one.pop().expect("one output for one weight")
 }
 
 /// [`linear`] of one `x` by each `(weight, bias)`, through [`gemm_shared`](super::gemm::gemm_shared)
