@@ -71,6 +71,16 @@ pub trait Backend: Send + Sync {
         Ok(())
     }
 
+    /// Brings a weight's bytes close while `more()` says this thread has nothing better to do (the
+    /// CPU backend maps the pages of a weight read from its file, [`MappedFile::populate`]). The
+    /// values are untouched, so this never changes a result. The default does nothing: a device
+    /// backend copied its weights at load.
+    ///
+    /// [`MappedFile::populate`]: crate::checkpoint::MappedFile::populate
+    fn warm_weight(&self, weight: &Self::Weight, more: &dyn Fn() -> bool) {
+        let _ = (weight, more);
+    }
+
     /// Copies host data into a new `[rows, cols]` tensor.
     fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Result<Self::Tensor>;
     /// Copies a tensor back to the host, row-major.

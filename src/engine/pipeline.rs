@@ -49,10 +49,15 @@ impl<B: Backend> Pipeline<B> {
     pub fn load(backend: B, model_dir: &Path, tokenizer: Option<&Path>) -> Result<Self> {
         let tok_path = tokenizer.map_or_else(|| model_dir.join("tokenizer.json"), Path::to_path_buf);
         // The tokenizer (a BPE vocabulary of ~150k entries to parse) loads on its own thread while
-        // the weights are mapped and packed on this one.
+        // the weights are mapped and packed on this one. Once they are, this thread maps the
+        // lm_head's pages until the tokenizer is done: it would wait anyway, and the first token
+        // reads the whole head.
         let (tokenizer, model) = std::thread::scope(|s| {
             let tokenizer = s.spawn(|| Tokenizer::from_file(&tok_path));
             let model = QwenVl::load(&backend, model_dir);
+            if let Ok(model) = &model {
+                model.text.warm_head(&backend, &|| !tokenizer.is_finished());
+            }
             let tokenizer = tokenizer.join().expect("the tokenizer thread does not panic");
             (tokenizer, model)
         });

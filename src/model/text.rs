@@ -310,6 +310,12 @@ impl<B: Backend> TextModel<B> {
         &self.cfg
     }
 
+    /// Warms the `lm_head` (the embeddings when tied) while `more()` says ([`Backend::warm_weight`]):
+    /// every request's first token reads it whole, after the layers have run.
+    pub fn warm_head(&self, be: &B, more: &dyn Fn() -> bool) {
+        be.warm_weight(self.lm_head.as_ref().unwrap_or(&self.embed_tokens), more);
+    }
+
     /// The frozen input embeddings of `ids` (`[ids.len(), hidden]`), e.g. for the ScopeMem encoder.
     pub fn embed(&self, be: &B, ids: &[u32]) -> Result<B::Tensor> {
         be.embedding(&self.embed_tokens, ids)

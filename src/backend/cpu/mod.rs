@@ -271,6 +271,13 @@ impl Backend for CpuBackend {
         Ok(w)
     }
 
+    fn warm_weight(&self, w: &CpuWeight, more: &dyn Fn() -> bool) {
+        if let Storage::Mapped { file, range, .. } = &w.storage {
+            let done = file.populate(range.clone(), more);
+            tracing::debug!(bytes = done, of = range.len(), "weight pages mapped ahead");
+        }
+    }
+
     fn prepare_linear(&self, w: &CpuWeight) -> Result<()> {
         w.pack_if_asked();
         Ok(())
