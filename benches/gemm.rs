@@ -5,9 +5,13 @@
 //! thread sums its share of a 2 GiB buffer (larger than any cache; about the 2B shape's f32 weights
 //! at 4 layers, `lm_head` included). `cargo bench --bench gemm`; `tools/cpu_compare.py` measures
 //! PyTorch's 2048³ matmul. `gemm_bf16_dot_*` times the opt-in bf16 products where the CPU has them.
+//! `gated` times a SwiGLU MLP's gate and up with their product, fused (`gemm_gated`) and as two
+//! products then an elementwise pass, on each path.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use recall::backend::cpu::gemm::{gemm, gemm_bf16_dot, Bf16Kernel, Matrix, RowMajor};
+use recall::backend::cpu::gemm::{
+    gemm, gemm_bf16_dot, gemm_gated, gemm_shared, set_bf16_dot, Bf16Kernel, Matrix, RowMajor,
+};
 
 /// A random weight `[n, k]` as a checkpoint stores it: f32 values or bf16 little-endian bytes.
 enum Stored {
@@ -120,5 +124,48 @@ fn bench_bf16_dot(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, peak, read, bench, bench_bf16_dot);
+/// The 2B MLP's gate and up at 1,278 rows with `silu(g) · u`: `gemm_gated` against the two
+/// products (`gemm_shared`) and a pass over their outputs, in f32 and bf16 (exact), and on the
+/// bf16 kernel (`--cpu-bf16-dot`) where the CPU has one.
+fn bench_gated(c: &mut Criterion) {
+    use rayon::prelude::*;
+    let silu_mul = |g: &mut [f32], u: &[f32]| {
+        g.iter_mut()
+            .zip(u)
+            .for_each(|(g, u)| *g = *g / (1.0 + (-*g).exp()) * u)
+    };
+    let (m, n, k) = (1278, 6144, 2048);
+    let mut g = c.benchmark_group("gated");
+    g.sample_size(10);
+    g.throughput(Throughput::Elements((4 * m * n * k) as u64));
+    let modes = [
+        ("f32", false, false),
+        ("bf16", true, false),
+        ("bf16_dot", true, true),
+    ];
+    for (label, bf16, dot) in modes {
+        if dot && set_bf16_dot(true).is_err() {
+            continue; // no AVX512-BF16 on this CPU
+        }
+        let (sg, su) = (stored(n, k, bf16), stored(n, k, bf16));
+        let (wg, wu) = (matrix(&sg, n, k), matrix(&su, n, k));
+        let x: Vec<f32> = (0..m * k).map(|i| ((i % 97) as f32) * 0.01 - 0.4).collect();
+        let (mut yg, mut yu) = (vec![0f32; m * n], vec![0f32; m * n]);
+        g.bench_function(BenchmarkId::new("separate", label), |b| {
+            b.iter(|| {
+                gemm_shared(&x, m, &mut [(&wg, None, &mut yg), (&wu, None, &mut yu)]);
+                yg.par_chunks_mut(4096)
+                    .zip(yu.par_chunks(4096))
+                    .for_each(|(g, u)| silu_mul(g, u));
+            })
+        });
+        g.bench_function(BenchmarkId::new("fused", label), |b| {
+            b.iter(|| gemm_gated(&x, m, (&wg, None), (&wu, None), &mut yg, silu_mul))
+        });
+        set_bf16_dot(false).expect("turning it off always works");
+    }
+    g.finish();
+}
+
+criterion_group!(benches, peak, read, bench, bench_bf16_dot, bench_gated);
 criterion_main!(benches);

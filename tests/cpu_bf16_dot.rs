@@ -12,8 +12,8 @@ mod common;
 
 use common::assert_tiny_bf16_model_near_hf;
 use recall::backend::cpu::gemm::{
-    bf16_dot_available, gemm, gemm_bf16_dot, gemm_bf16_dot_with, gemm_shared, gemm_with, set_bf16_dot,
-    Bf16Kernel, Isa, Matrix, RowMajor,
+    bf16_dot_available, fuses_gated, gemm, gemm_bf16_dot, gemm_bf16_dot_with, gemm_gated, gemm_shared,
+    gemm_with, set_bf16_dot, Bf16Kernel, Isa, Matrix, RowMajor,
 };
 
 fn skip() -> bool {
@@ -264,6 +264,43 @@ fn shared_rows_give_each_weight_its_own_bits() {
         }
     }
     gemm_shared(&[], 0, &mut []);
+}
+
+/// Gate and up fused with their product (`gemm_gated`) on the bf16 kernel: each value is the
+/// product of the two `gemm` calls' values, bit for bit, with biases or without, across several
+/// packed blocks of k and widths that leave partial tiles; a mixed f32 weight is declined.
+#[test]
+fn gated_products_give_each_product_its_own_bits() {
+    if skip() {
+        return;
+    }
+    set_bf16_dot(true).expect("the CPU has AVX512-BF16");
+    let mul = |a: &mut [f32], b: &[f32]| a.iter_mut().zip(b).for_each(|(a, b)| *a *= b);
+    let mut rng = fastrand::Rng::with_seed(11);
+    for &(m, n, k) in &[(32, 17, 96), (40, 300, 64), (100, 70, 4200), (77, 520, 2050)] {
+        let x: Vec<f32> = (0..m * k).map(|_| rng.f32() - 0.5).collect();
+        let ((sg, _), (su, _)) = (weight(&mut rng, n, k, 1), weight(&mut rng, n, k, 0));
+        let (g, u) = (
+            Matrix::new(n, k, RowMajor::Bf16(&sg[1..])),
+            Matrix::new(n, k, RowMajor::Bf16(&su)),
+        );
+        assert!(fuses_gated(m, &g, &u));
+        let b: Vec<f32> = (0..n).map(|_| rng.f32()).collect();
+        for bias in [None, Some(&b[..])] {
+            let (mut yg, mut yu) = (vec![0f32; m * n], vec![0f32; m * n]);
+            gemm(&x, m, &g, bias, &mut yg);
+            gemm(&x, m, &u, None, &mut yu);
+            mul(&mut yg, &yu);
+            let mut y = vec![f32::NAN; m * n];
+            gemm_gated(&x, m, (&g, bias), (&u, None), &mut y, mul);
+            assert_eq!(bits(&y), bits(&yg), "m={m} n={n} k={k} bias={}", bias.is_some());
+        }
+        let f: Vec<f32> = (0..n * k).map(|_| rng.f32() - 0.5).collect();
+        assert!(
+            !fuses_gated(m, &g, &Matrix::new(n, k, RowMajor::F32(&f))),
+            "a mixed pair"
+        );
+    }
 }
 
 /// The tiny bf16 model with the switch on, against HF's float32 computation on its weights

@@ -291,3 +291,41 @@ fn linears_are_each_linear() {
         );
     }
 }
+
+/// `swiglu` (gate and up fused with their product where the rows are many) gives the bits of
+/// `linears` then `silu_mul_owned`, on both sides of the rows it fuses from, with biases or
+/// without; a weight of the wrong input width or unequal widths is an error, not a panic.
+#[test]
+fn swiglu_is_linears_then_silu_mul() {
+    let be = CpuBackend;
+    let mut rng = fastrand::Rng::with_seed(35);
+    let (n, k) = (300, 64);
+    let tensors = [
+        ("gate", rand_vec(&mut rng, n * k, 1.0), vec![n, k]),
+        ("up", rand_vec(&mut rng, n * k, 1.0), vec![n, k]),
+        ("gate_bias", rand_vec(&mut rng, n, 1.0), vec![n]),
+        ("up_bias", rand_vec(&mut rng, n, 1.0), vec![n]),
+        ("narrow", rand_vec(&mut rng, 17 * k, 1.0), vec![17, k]),
+        ("odd", rand_vec(&mut rng, n * 10, 1.0), vec![n, 10]),
+    ];
+    let ckpt = Bf16Checkpoint::new(&tensors);
+    let w = |n: &str| be.load_weight(ckpt.ckpt.get(n).unwrap()).unwrap();
+    let (gate, up, gb, ub) = (w("gate"), w("up"), w("gate_bias"), w("up_bias"));
+    for rows in [1, 31, 32, 200] {
+        let x = tensor(&mut rng, rows, k, 2.0);
+        for (g, u) in [(None, None), (Some(&gb), Some(&ub))] {
+            let got = be.swiglu(&x, (&gate, g), (&up, u)).unwrap();
+            let mut both = be.linears(&x, &[(&gate, g), (&up, u)]).unwrap();
+            let up_x = both.pop().unwrap();
+            let want = be.silu_mul_owned(both.pop().unwrap(), &up_x).unwrap();
+            assert_eq!(got, want, "{rows} rows, biases {}", g.is_some());
+        }
+        for (gw, uw) in [(w("odd"), w("odd")), (w("gate"), w("narrow"))] {
+            let err = be.swiglu(&x, (&gw, None), (&uw, None)).unwrap_err();
+            assert!(
+                matches!(err, Error::Shape { .. } | Error::ShapeMismatch { .. }),
+                "{err}"
+            );
+        }
+    }
+}

@@ -2,9 +2,11 @@
 //! chain over k from 0.0, then + bias. Checked bitwise against that definition written as a plain
 //! loop, on every instruction-set path this CPU has, for f32, bf16 and f16 weights, for shapes that
 //! do not fill the tiles, read from the row-major storage and from decode panels; and a row's bits do
-//! not depend on how many rows share the call or how many threads run it.
+//! not depend on how many rows share the call or how many threads run it. Two products fused with
+//! an elementwise function (`gemm_gated`, a SwiGLU MLP's gate and up) are that function of the
+//! two definitions, bit for bit.
 
-use recall::backend::cpu::gemm::{gemm, gemm_with, Isa, Matrix, Panels, RowMajor};
+use recall::backend::cpu::gemm::{fuses_gated, gemm, gemm_gated, gemm_with, Isa, Matrix, Panels, RowMajor};
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Elem {
@@ -211,4 +213,62 @@ fn half_width_weights_at_any_byte_offset_compute_the_definition_bitwise() {
             }
         }
     }
+}
+
+/// `a ← silu(a) · b`, as the SwiGLU MLP combines gate and up (any elementwise function serves: the
+/// point is where it is applied).
+fn silu_mul(a: &mut [f32], b: &[f32]) {
+    a.iter_mut()
+        .zip(b)
+        .for_each(|(a, b)| *a = *a / (1.0 + (-*a).exp()) * b);
+}
+
+/// `gemm_gated` on the exact path: each value is `silu_mul` of the two definitions, for f32, bf16
+/// and f16 weights (16-bit ones at an odd byte offset), with biases or without, at widths that
+/// leave partial panels and tasks, and k over several packed blocks. Below 32 rows, across
+/// weights of different shapes and at k = 0 it declines (`fuses_gated`), and callers run the
+/// products on their own.
+#[test]
+fn gated_products_compute_the_definition_bitwise() {
+    let mut rng = fastrand::Rng::with_seed(12);
+    for &(m, n, k) in &[(32, 17, 7), (45, 48, 64), (130, 400, 1100), (33, 1000, 40)] {
+        for elem in [Elem::F32, Elem::Bf16, Elem::F16] {
+            let (sg, g) = weight_at(&mut rng, n, k, elem, 1);
+            let (su, u) = weight_at(&mut rng, n, k, elem, 1);
+            let (wg, wu) = (sg.matrix(), su.matrix());
+            assert!(fuses_gated(m, &wg, &wu));
+            let x: Vec<f32> = (0..m * k).map(|_| rng.f32() * 4.0 - 2.0).collect();
+            let (bg, bu): (Vec<f32>, Vec<f32>) = (0..n).map(|_| (rng.f32(), rng.f32() - 0.5)).unzip();
+            for (gate_bias, up_bias) in [
+                (None, None),
+                (Some(&bg[..]), Some(&bu[..])),
+                (None, Some(&bu[..])),
+            ] {
+                let mut want = reference(&x, m, &g, n, k, gate_bias);
+                for (w, u) in want
+                    .chunks_mut(n)
+                    .zip(reference(&x, m, &u, n, k, up_bias).chunks(n))
+                {
+                    silu_mul(w, u);
+                }
+                let mut y = vec![f32::NAN; m * n];
+                gemm_gated(&x, m, (&wg, gate_bias), (&wu, up_bias), &mut y, silu_mul);
+                assert_eq!(
+                    bits(&y),
+                    bits(&want),
+                    "{elem:?} m={m} n={n} k={k} biases {} {}",
+                    gate_bias.is_some(),
+                    up_bias.is_some()
+                );
+            }
+        }
+    }
+    let (sa, _) = weight(&mut rng, 20, 8, Elem::F32);
+    let (sb, _) = weight(&mut rng, 21, 8, Elem::F32);
+    let (sz, _) = weight(&mut rng, 20, 0, Elem::F32);
+    let (a, b, z) = (sa.matrix(), sb.matrix(), sz.matrix());
+    assert!(fuses_gated(32, &a, &a));
+    assert!(!fuses_gated(31, &a, &a), "decode's rows take their own paths");
+    assert!(!fuses_gated(64, &a, &b), "widths differ");
+    assert!(!fuses_gated(64, &z, &z), "k = 0");
 }

@@ -115,6 +115,34 @@ pub trait Backend: Send + Sync {
     ) -> Result<Vec<Self::Tensor>> {
         ws.iter().map(|&(w, b)| self.linear(x, w, b)).collect()
     }
+    /// A SwiGLU MLP's first half, `silu(x·Gᵀ + g) · (x·Uᵀ + u)` for `gate = (G, g)` and
+    /// `up = (U, u)`, with the bits of [`linears`](Backend::linears) then
+    /// [`silu_mul_owned`](Backend::silu_mul_owned), which the default calls. The CPU runs both
+    /// products on each block of columns and multiplies them there, without writing the up
+    /// projection out.
+    ///
+    /// ```
+    /// use recall::backend::{cpu::CpuBackend, Backend};
+    /// use recall::checkpoint::Checkpoint;
+    /// let be = CpuBackend;
+    /// let ckpt = Checkpoint::open(std::path::Path::new("tests/fixtures/tiny-qwen3-vl"))?;
+    /// let mlp = "model.language_model.layers.0.mlp";
+    /// let g = be.load_weight(ckpt.get(&format!("{mlp}.gate_proj.weight"))?)?; // [128, 64]
+    /// let u = be.load_weight(ckpt.get(&format!("{mlp}.up_proj.weight"))?)?;
+    /// let x = be.upload(&vec![0.5; 40 * 64], 40, 64)?;
+    /// let h = be.download(&be.swiglu(&x, (&g, None), (&u, None))?)?;
+    /// let (gx, ux) = (be.linear(&x, &g, None)?, be.linear(&x, &u, None)?);
+    /// assert_eq!(h, be.download(&be.silu_mul(&gx, &ux)?)?);
+    /// # Ok::<(), recall::Error>(())
+    /// ```
+    fn swiglu(
+        &self,
+        x: &Self::Tensor,
+        gate: (&Self::Weight, Option<&Self::Weight>),
+        up: (&Self::Weight, Option<&Self::Weight>),
+    ) -> Result<Self::Tensor> {
+        swiglu_composed(self, x, gate, up)
+    }
     /// RMSNorm over groups of `weight.len()` consecutive columns (one group per row for the
     /// hidden norm, one per head for q/k norms): `x / sqrt(mean(x²) + eps) · weight`.
     fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Weight, eps: f32) -> Result<Self::Tensor>;
@@ -386,4 +414,21 @@ pub struct StepStats {
     pub failed_recordings: usize,
     /// Step keys given up on after repeated failed recordings: they always run directly.
     pub given_up: usize,
+}
+
+/// [`Backend::swiglu`] as its definition: [`Backend::linears`] then [`Backend::silu_mul_owned`]
+/// (the default, and the CPU's where it does not fuse).
+pub(crate) fn swiglu_composed<B: Backend + ?Sized>(
+    be: &B,
+    x: &B::Tensor,
+    gate: (&B::Weight, Option<&B::Weight>),
+    up: (&B::Weight, Option<&B::Weight>),
+) -> Result<B::Tensor> {
+    match <[B::Tensor; 2]>::try_from(be.linears(x, &[gate, up])?) {
+        Ok([gate, up]) => be.silu_mul_owned(gate, &up),
+        Err(got) => Err(crate::Error::Shape {
+            op: "swiglu".into(),
+            message: format!("{} outputs of linears for 2 weights", got.len()),
+        }),
+    }
 }

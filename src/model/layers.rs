@@ -127,8 +127,12 @@ impl<B: Backend> SwiGlu<B> {
     }
 
     pub fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
-        let [gate, up] = linears(be, x, [&self.gate_proj, &self.up_proj])?;
-        let g = be.silu_mul_owned(gate, &up)?;
+        let (gate, up) = (&self.gate_proj, &self.up_proj);
+        let g = be.swiglu(
+            x,
+            (&gate.weight, gate.bias.as_ref()),
+            (&up.weight, up.bias.as_ref()),
+        )?;
         self.down_proj.forward(be, &g)
     }
 }

@@ -39,6 +39,7 @@ mod amx;
 mod bf16;
 #[cfg(target_arch = "x86_64")]
 mod dot_bf16;
+mod gated;
 mod pack;
 #[cfg(target_arch = "x86_64")]
 pub(super) use amx::{tile_products, TileOperand};
@@ -52,6 +53,7 @@ pub use bf16::{
     bf16_dot, bf16_dot_available, gemm_bf16_dot, gemm_bf16_dot_with, gemm_shared, set_bf16_dot,
     takes_bf16_dot, Bf16Kernel, GemmJob,
 };
+pub use gated::{fuses_gated, gemm_gated, GatedWeight};
 
 /// Output columns per panel (one AVX-512 register of f32).
 pub const NR: usize = 16;

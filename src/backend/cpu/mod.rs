@@ -384,6 +384,27 @@ impl Backend for CpuBackend {
         Ok(ops::linears(x, ws))
     }
 
+    fn swiglu(
+        &self,
+        x: &CpuTensor,
+        gate: (&CpuWeight, Option<&CpuWeight>),
+        up: (&CpuWeight, Option<&CpuWeight>),
+    ) -> Result<CpuTensor> {
+        let fused = match (gate.0.matrix(), up.0.matrix()) {
+            (Some(g), Some(u)) if gemm::fuses_gated(x.rows, &g, &u) => Some((g, u)),
+            _ => None,
+        };
+        let Some((g, u)) = fused else {
+            return super::swiglu_composed(self, x, gate, up);
+        };
+        let mut op = profile::start("swiglu");
+        for (w, b) in [gate, up] {
+            check::linear(x.cols, &w.shape, b.map(|b| &b.shape[..]))?;
+        }
+        op.flops(4.0 * x.rows as f64 * g.n as f64 * x.cols as f64);
+        Ok(ops::swiglu(x, (&g, &u), (gate.1, up.1)))
+    }
+
     fn rms_norm(&self, x: &CpuTensor, weight: &CpuWeight, eps: f32) -> Result<CpuTensor> {
         let _op = profile::start("rms_norm");
         let g = check::rms_norm_groups(x.cols, weight.len())?;

@@ -46,6 +46,32 @@ pub(super) fn linears(x: &CpuTensor, ws: &[(&CpuWeight, Option<&CpuWeight>)]) ->
         .collect()
 }
 
+/// `silu(x·Gᵀ + g) · (x·Uᵀ + u)` through [`gemm_gated`](super::gemm::gemm_gated), which the
+/// caller checked fuses these weights: the bits of [`linears`] then [`silu_mul`].
+pub(super) fn swiglu(
+    x: &CpuTensor,
+    (gate, up): (&super::gemm::Matrix<'_>, &super::gemm::Matrix<'_>),
+    (gate_bias, up_bias): (Option<&CpuWeight>, Option<&CpuWeight>),
+) -> CpuTensor {
+    let (mut gb, mut ub) = (Vec::new(), Vec::new());
+    let gate_bias = gate_bias.map(|b| b.all(&mut gb));
+    let up_bias = up_bias.map(|b| b.all(&mut ub));
+    let mut data = zeros(x.rows * gate.n);
+    super::gemm::gemm_gated(
+        &x.data,
+        x.rows,
+        (gate, gate_bias),
+        (up, up_bias),
+        &mut data,
+        silu_mul,
+    );
+    CpuTensor {
+        data,
+        rows: x.rows,
+        cols: gate.n,
+    }
+}
+
 multiversion! {
     /// `g ← silu(g) · u = g / (1 + e^-g) · u`, elementwise.
     pub(super) fn silu_mul(g: &mut [f32], u: &[f32]) {
