@@ -12,6 +12,7 @@ pub mod agent;
 pub mod atomic;
 pub mod backend;
 pub mod bench;
+pub mod cache_dir;
 pub mod checkpoint;
 pub mod engine;
 pub mod error;

@@ -28,7 +28,7 @@ use tokenizers::models::bpe::BpeTrainer;
 use tokenizers::{Model, Token};
 
 /// A token's place in [`Vocab::text`]: start and end byte.
-type Span = (u32, u32);
+pub(super) type Span = (u32, u32);
 /// Not yet given a text.
 const NO_SPAN: Span = (u32::MAX, 0);
 
@@ -85,10 +85,7 @@ impl VocabBuilder {
     /// The vocabulary, or `None` unless the ids are exactly `0..n` and the texts all differ (the
     /// crate would keep one of two equal texts; such files load through it).
     pub(super) fn build(self) -> Option<Vocab> {
-        // Byte offsets are u32: decline a text past 4 GiB (far beyond any tokenizer file).
-        u32::try_from(self.text.len()).ok()?;
-        let n = self.entries.len();
-        let mut spans = vec![NO_SPAN; n];
+        let mut spans = vec![NO_SPAN; self.entries.len()];
         for (id, span) in self.entries {
             let slot = spans.get_mut(id as usize)?;
             if *slot != NO_SPAN {
@@ -96,8 +93,25 @@ impl VocabBuilder {
             }
             *slot = span;
         }
+        Vocab::from_parts(self.text, spans)
+    }
+}
+
+impl Vocab {
+    /// The vocabulary whose token `id` is `text[spans[id]]`, or `None` unless every span lies
+    /// within `text` on character boundaries and the texts all differ.
+    pub(super) fn from_parts(text: String, spans: Vec<Span>) -> Option<Vocab> {
+        // Byte offsets are u32: decline a text past 4 GiB (far beyond any tokenizer file).
+        u32::try_from(text.len()).ok()?;
+        let on_chars = |&(start, end): &Span| {
+            start <= end && text.is_char_boundary(start as usize) && text.is_char_boundary(end as usize)
+        };
+        if !spans.iter().all(on_chars) {
+            return None;
+        }
+        let n = spans.len();
         let mut vocab = Vocab {
-            text: self.text,
+            text,
             spans,
             index: HashTable::with_capacity(n),
             hasher: RandomState::new(),
@@ -114,6 +128,12 @@ impl VocabBuilder {
             vocab.index.insert_unique(hash, id, rehash);
         }
         Some(vocab)
+    }
+
+    /// Every token's text, one after another, and where each lies in it (by id): what
+    /// [`from_parts`](Self::from_parts) takes back.
+    pub(super) fn parts(&self) -> (&str, &[Span]) {
+        (&self.text, &self.spans)
     }
 }
 
@@ -220,6 +240,13 @@ impl Bpe {
             ignore_merges,
             cache: RwLock::new(AHashMap::new()),
         }))
+    }
+
+    /// The vocabulary, the merges and whether a piece that is a token skips them: what
+    /// [`new`](Self::new) was given.
+    pub(super) fn parts(&self) -> (&Vocab, &Merges, bool) {
+        let t = &self.0;
+        (&t.vocab, &t.merges, t.ignore_merges)
     }
 
     /// The tokens of `piece`, from the cache when it is there.

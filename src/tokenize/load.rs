@@ -21,6 +21,7 @@
 
 use std::borrow::Cow;
 use std::fmt;
+use std::path::Path;
 
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
@@ -30,15 +31,17 @@ use tokenizers::{
 };
 
 use super::bpe::{Bpe, Merges, MergesBuilder, Vocab, VocabBuilder};
+use super::cache::{self, Key};
 
 /// A tokenizer read by [`parse`]: the crate's pipeline around [`Bpe`].
 pub(super) type Direct =
     TokenizerImpl<Bpe, NormalizerWrapper, PreTokenizerWrapper, PostProcessorWrapper, DecoderWrapper>;
 
 /// The top level of `tokenizer.json`, as far as [`parse`] reads it; other keys are ignored, as the
-/// crate ignores them.
+/// crate ignores them. The model is a [`BpeFile`], or skipped (`IgnoredAny`) when it comes from the
+/// cache.
 #[derive(Deserialize)]
-struct TokenizerFile {
+struct TokenizerFile<M> {
     version: Option<String>,
     /// `Some` when set (not `null`).
     truncation: Option<IgnoredAny>,
@@ -49,7 +52,7 @@ struct TokenizerFile {
     pre_tokenizer: Option<PreTokenizerWrapper>,
     post_processor: Option<PostProcessorWrapper>,
     decoder: Option<DecoderWrapper>,
-    model: BpeFile,
+    model: M,
 }
 
 /// An added token and the id the file gives it.
@@ -270,8 +273,38 @@ impl<'de> Deserialize<'de> for Text<'de> {
 
 /// The tokenizer in `bytes`, when it is a BPE tokenizer [`parse`] reads exactly as the crate does;
 /// `None` otherwise (including when the file is malformed: the crate's loader then says how).
+#[cfg(test)]
 pub(super) fn parse(bytes: &[u8]) -> Option<Direct> {
-    let file: TokenizerFile = serde_json::from_slice(bytes).ok()?;
+    parse_cached(bytes, None)
+}
+
+/// [`parse`], with the BPE model from its copy in the directory `cache` when there is one for these
+/// bytes (`cache.rs`), else parsed and copied there.
+pub(super) fn parse_cached(bytes: &[u8], cache: Option<&Path>) -> Option<Direct> {
+    let key = cache.map(|dir| (dir, Key::of(bytes)));
+    if let Some(copy) = key.as_ref().and_then(|(dir, key)| cache::fetch(dir, key)) {
+        // The rest of the file (normaliser, pre-tokenizer, added tokens, ...) is still read from
+        // it, the model skipped, while the copy is read back.
+        let (bpe, file) = rayon::join(
+            || cache::decode(&copy, &key.as_ref().expect("fetched with a key").1),
+            || serde_json::from_slice::<TokenizerFile<IgnoredAny>>(bytes),
+        );
+        if let Some(bpe) = bpe {
+            return assemble(file.ok()?, bpe);
+        }
+    }
+    let file: TokenizerFile<BpeFile> = serde_json::from_slice(bytes).ok()?;
+    let bpe = file.model.0.clone()?;
+    let tokenizer = assemble(file, bpe.clone())?;
+    if let Some((dir, key)) = &key {
+        cache::write(dir, key, &bpe);
+    }
+    Some(tokenizer)
+}
+
+/// The tokenizer of `file`'s pipeline around `bpe`, or `None` where the crate would read the file
+/// otherwise.
+fn assemble<M>(file: TokenizerFile<M>, bpe: Bpe) -> Option<Direct> {
     if file.version.as_deref().is_some_and(|v| v != "1.0")
         || file.truncation.is_some()
         || file.padding.is_some()
@@ -279,7 +312,7 @@ pub(super) fn parse(bytes: &[u8]) -> Option<Direct> {
         return None;
     }
     let mut tokenizer = TokenizerBuilder::new()
-        .with_model(file.model.0?)
+        .with_model(bpe)
         .with_normalizer(file.normalizer)
         .with_pre_tokenizer(file.pre_tokenizer)
         .with_post_processor(file.post_processor)
@@ -384,6 +417,12 @@ mod tests {
     /// offsets and decodings for every text of [`texts`].
     fn same_as_the_crate(bytes: &[u8], what: &str) {
         let ours = parse(bytes).unwrap_or_else(|| panic!("{what}: the direct reader declined"));
+        same_tokenizer_as_the_crate(&ours, bytes, what);
+    }
+
+    /// `ours`, read from `bytes` one way or another, is the crate's tokenizer of `bytes` (as
+    /// [`same_as_the_crate`] checks).
+    fn same_tokenizer_as_the_crate(ours: &super::Direct, bytes: &[u8], what: &str) {
         let theirs = tokenizers::Tokenizer::from_bytes(bytes).unwrap();
         for added in [false, true] {
             assert_eq!(ours.get_vocab_size(added), theirs.get_vocab_size(added), "{what}");
@@ -392,7 +431,7 @@ mod tests {
         for id in 0..theirs.get_vocab_size(true) as u32 + 2 {
             assert_eq!(ours.id_to_token(id), theirs.id_to_token(id), "{what}: id {id}");
         }
-        assert_eq!(parts(&ours), parts(&*theirs), "{what}");
+        assert_eq!(parts(ours), parts(&*theirs), "{what}");
         for text in texts() {
             let (a, b) = (
                 ours.encode_fast(text.as_str(), false).unwrap(),
@@ -448,6 +487,65 @@ mod tests {
     fn reads_every_tokenizer_in_the_repository_as_the_crate_does() {
         for path in files() {
             same_as_the_crate(&std::fs::read(&path).unwrap(), &path.display().to_string());
+        }
+    }
+
+    /// The cache (`cache.rs`): a miss parses the file and writes one copy, a hit reads the copy
+    /// back into the crate's tokenizer (checked against the crate as above), a changed file misses,
+    /// and a damaged, truncated, empty or lengthened copy is ignored (the same tokenizer again) and
+    /// written anew.
+    #[test]
+    fn the_cached_model_is_the_parsed_one() {
+        use super::super::cache::{decode, Key};
+        use super::parse_cached;
+        for path in files() {
+            let bytes = std::fs::read(&path).unwrap();
+            let what = path.display().to_string();
+            let dir = tempfile::tempdir().unwrap();
+            let copies = || -> Vec<PathBuf> {
+                std::fs::read_dir(dir.path())
+                    .unwrap()
+                    .map(|e| e.unwrap().path())
+                    .collect()
+            };
+            let parsed = parse_cached(&bytes, Some(dir.path())).unwrap();
+            let [copy] = &copies()[..] else {
+                panic!("{what}: one copy after a miss: {:?}", copies())
+            };
+            let hit = parse_cached(&bytes, Some(dir.path())).unwrap();
+            same_tokenizer_as_the_crate(&hit, &bytes, &what);
+            let good = std::fs::read(copy).unwrap();
+            let mut flipped = good.clone();
+            let middle = flipped.len() / 2;
+            flipped[middle] ^= 0x20;
+            let damaged = [
+                flipped,
+                good[..good.len() - 5].to_vec(),
+                Vec::new(),
+                [&good[..], &[0]].concat(),
+            ];
+            for (i, bad) in damaged.iter().enumerate() {
+                assert!(decode(bad, &Key::of(&bytes)).is_none(), "{what}: damage {i} read");
+                std::fs::write(copy, bad).unwrap();
+                let again = parse_cached(&bytes, Some(dir.path())).unwrap();
+                assert_eq!(
+                    again.get_vocab(true),
+                    parsed.get_vocab(true),
+                    "{what}: damage {i}"
+                );
+                let rewritten = std::fs::read(copy).unwrap();
+                assert!(
+                    decode(&rewritten, &Key::of(&bytes)).is_some(),
+                    "{what}: damage {i} mended"
+                );
+            }
+            let changed = [&bytes[..], b" "].concat();
+            parse_cached(&changed, Some(dir.path())).unwrap();
+            assert_eq!(copies().len(), 2, "{what}: a changed file has a copy of its own");
+            assert!(
+                decode(&good, &Key::of(&changed)).is_none(),
+                "{what}: a copy of another file"
+            );
         }
     }
 

@@ -77,7 +77,9 @@ impl Tokenizer {
         // The tokenizers crate reports malformed files as errors; catch a panic from an unusual corner of
         // its deserialisation too, so that a bad file can never take the process down.
         // The direct reader (`load.rs`) when it reads the file exactly as the crate would, else the crate.
-        let parsed = std::panic::catch_unwind(|| match super::load::parse(&bytes) {
+        // The Qwen files' BPE model comes from a binary copy when there is one (`cache.rs`).
+        let cache = super::cache::dir();
+        let parsed = std::panic::catch_unwind(|| match super::load::parse_cached(&bytes, cache.as_deref()) {
             Some(direct) => Ok(Inner::Direct(Box::new(direct))),
             None => tokenizers::Tokenizer::from_bytes(&bytes).map(|t| Inner::Crate(Box::new(t))),
         });

@@ -210,15 +210,7 @@ pub(crate) fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
 /// The cache directory: `$RECALL_KERNEL_CACHE`, `$XDG_CACHE_HOME/recall/kernels` or
 /// `~/.cache/recall/kernels`; `None` when disabled or no home is known.
 pub fn cache_dir() -> Option<PathBuf> {
-    match std::env::var_os(ENV_KERNEL_CACHE) {
-        Some(v) if v == "off" || v == "0" => return None,
-        Some(v) => return Some(PathBuf::from(v)),
-        None => {}
-    }
-    if let Some(x) = std::env::var_os("XDG_CACHE_HOME").filter(|v| !v.is_empty()) {
-        return Some(PathBuf::from(x).join("recall/kernels"));
-    }
-    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/recall/kernels"))
+    crate::cache_dir::under(ENV_KERNEL_CACHE, "kernels")
 }
 
 /// CUBIN for `k` on `arch`, from the disk cache when present, else compiled (and cached).
