@@ -164,7 +164,8 @@ def run_recall(binary, model_dir, messages_path, new_tokens, extra=(), warm=Fals
         sys.exit(f"recall failed:\n{out.stderr}")
     r = json.loads(out.stdout)
     t = r["timings"]
-    linear = [o for o in r["prefill_ops"] if o["op"] == "linear"]
+    # The GEMM's ops: `linear`, and `swiglu` (gate and up with their product, fused).
+    linear = [o for o in r["prefill_ops"] if o["op"] in ("linear", "swiglu")]
     gemm = sum(o["flops"] for o in linear) / max(1e-12, sum(o["seconds"] for o in linear)) / 1e9
     return {
         "prompt_tokens": r["prompt_tokens"],

@@ -496,8 +496,9 @@ mod tests {
     /// written anew.
     #[test]
     fn the_cached_model_is_the_parsed_one() {
-        use super::super::cache::{decode, Key};
+        use super::cache::decode;
         use super::parse_cached;
+        use super::Key;
         for path in files() {
             let bytes = std::fs::read(&path).unwrap();
             let what = path.display().to_string();

@@ -25,17 +25,17 @@ thread_local! {
     static SECOND: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-/// The kernel both products run on, with `x` prepared for it once: what [`gemm`](super::gemm)
-/// would pick for each weight on its own.
-enum Route {
-    Exact(Isa),
+/// Which kernel both products run on: what [`gemm`](super::gemm) would pick for each weight alone.
+#[derive(Clone, Copy)]
+enum RouteKind {
+    Exact,
     #[cfg(target_arch = "x86_64")]
-    Amx(amx::Lines, usize),
+    Amx,
     #[cfg(target_arch = "x86_64")]
-    Dot(Vec<u32>),
+    Dot,
 }
 
-impl Route {
+impl RouteKind {
     /// The route of `m` rows by `gate` and `up`, or `None` where [`gemm_gated`] does not fuse
     /// them: the weights differ in shape or in route, there are fewer than 32 rows (decode's
     /// paths: the weight's own panels, rows fused into the packing), or `k` is 0.
@@ -54,9 +54,10 @@ impl Route {
         Some(RouteKind::Exact)
     }
 
-    fn prepare(kind: RouteKind, x: &[f32], m: usize, k: usize) -> Route {
-        let _ = (x, m, k);
-        match kind {
+    /// The route with `x` (`[m, k]`) prepared for it once: rounded into AMX tiles or bf16 pairs.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+    fn prepare(self, x: &[f32], m: usize, k: usize) -> Route {
+        match self {
             RouteKind::Exact => Route::Exact(Isa::detect()),
             #[cfg(target_arch = "x86_64")]
             RouteKind::Amx => {
@@ -67,23 +68,31 @@ impl Route {
             RouteKind::Dot => Route::Dot(dot_bf16::round_pairs(x)),
         }
     }
+}
 
+/// A [`RouteKind`] with `x` prepared for its kernel.
+enum Route {
+    Exact(Isa),
+    #[cfg(target_arch = "x86_64")]
+    Amx(amx::Lines, usize),
+    #[cfg(target_arch = "x86_64")]
+    Dot(Vec<u32>),
+}
+
+impl Route {
     /// Panels per task: what `by_panels` gives the route's `gemm`.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
     fn per_task(&self, m: usize, n: usize) -> usize {
         let threads = rayon::current_num_threads();
         #[cfg(target_arch = "x86_64")]
-        if let Route::Amx(..) = self {
-            if let Some(p) = amx::task_panels(m, n, threads) {
-                return p;
-            }
+        if let (Route::Amx(..), Some(p)) = (self, amx::task_panels(m, n, threads)) {
+            return p;
         }
-        let _ = m;
         n.div_ceil(NR).div_ceil(NP).div_ceil(threads * 8).max(1) * NP
     }
 
     /// Columns of panels `p0..p1` of `w`'s product, for every row, into `y` (`[m, w.n]`).
     fn run(&self, x: &[f32], m: usize, w: &Matrix<'_>, (p0, p1): (usize, usize), y: &mut [f32]) {
-        let _ = x;
         match self {
             Route::Exact(isa) => panel_range(*isa, x, m, w, p0, p1, y),
             #[cfg(target_arch = "x86_64")]
@@ -94,19 +103,10 @@ impl Route {
     }
 }
 
-#[derive(Clone, Copy)]
-enum RouteKind {
-    Exact,
-    #[cfg(target_arch = "x86_64")]
-    Amx,
-    #[cfg(target_arch = "x86_64")]
-    Dot,
-}
-
 /// Whether [`gemm_gated`] fuses `m` rows by `gate` and `up` (else the caller runs the two
 /// products and `f` on their own, with the same bits).
 pub fn fuses_gated(m: usize, gate: &Matrix<'_>, up: &Matrix<'_>) -> bool {
-    Route::of(m, gate, up).is_some()
+    RouteKind::of(m, gate, up).is_some()
 }
 
 /// `y ← f(x·Gᵀ (+ g), x·Uᵀ (+ u))` for `x` `[m, k]` and `y` `[m, n]`, where `f(a, b)` overwrites
@@ -141,7 +141,7 @@ pub fn gemm_gated(
     y: &mut [f32],
     f: impl Fn(&mut [f32], &[f32]) + Sync,
 ) {
-    let kind = Route::of(m, gate, up).expect("gemm_gated on weights it fuses (fuses_gated)");
+    let kind = RouteKind::of(m, gate, up).expect("gemm_gated on weights it fuses (fuses_gated)");
     let (n, k) = (gate.n, gate.k);
     assert_eq!(x.len(), m * k, "x is not [{m}, {k}]");
     assert_eq!(y.len(), m * n, "y is not [{m}, {n}]");
@@ -151,7 +151,7 @@ pub fn gemm_gated(
     if n == 0 {
         return;
     }
-    let route = Route::prepare(kind, x, m, k);
+    let route = kind.prepare(x, m, k);
     let per_task = route.per_task(m, n);
     let panels = n.div_ceil(NR);
     let y_addr = y.as_mut_ptr() as usize;
