@@ -9,13 +9,11 @@
 
 use std::cell::RefCell;
 
-use rayon::prelude::*;
-
 #[cfg(target_arch = "x86_64")]
 use super::bf16::{bf16_dot, takes_bf16_dot, Bf16Kernel};
 #[cfg(target_arch = "x86_64")]
 use super::{amx, dot_bf16};
-use super::{panel_range, Isa, Matrix, RowMajor, NP, NR, WIDE_ROWS};
+use super::{by_panels, panel_range, Isa, Matrix, RowMajor, NR, WIDE_ROWS};
 
 /// One product of [`gemm_gated`]: the weight and its bias.
 pub type GatedWeight<'a, 'w> = (&'a Matrix<'w>, Option<&'a [f32]>);
@@ -80,15 +78,15 @@ enum Route {
 }
 
 impl Route {
-    /// Panels per task: what `by_panels` gives the route's `gemm`.
+    /// Panels per task where the route's `gemm` asks `by_panels` for its own (AMX: one packed
+    /// block each); `None` for `by_panels`' default.
     #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
-    fn per_task(&self, m: usize, n: usize) -> usize {
-        let threads = rayon::current_num_threads();
+    fn per_task(&self, m: usize, n: usize) -> Option<usize> {
         #[cfg(target_arch = "x86_64")]
-        if let (Route::Amx(..), Some(p)) = (self, amx::task_panels(m, n, threads)) {
-            return p;
+        if let Route::Amx(..) = self {
+            return amx::task_panels(m, n, rayon::current_num_threads());
         }
-        n.div_ceil(NR).div_ceil(NP).div_ceil(threads * 8).max(1) * NP
+        None
     }
 
     /// Columns of panels `p0..p1` of `w`'s product, for every row, into `y` (`[m, w.n]`).
@@ -143,41 +141,30 @@ pub fn gemm_gated(
 ) {
     let kind = RouteKind::of(m, gate, up).expect("gemm_gated on weights it fuses (fuses_gated)");
     let (n, k) = (gate.n, gate.k);
-    assert_eq!(x.len(), m * k, "x is not [{m}, {k}]");
-    assert_eq!(y.len(), m * n, "y is not [{m}, {n}]");
     for b in [gate_bias, up_bias].into_iter().flatten() {
         assert_eq!(b.len(), n, "bias is not [{n}]");
     }
-    if n == 0 {
-        return;
-    }
     let route = kind.prepare(x, m, k);
-    let per_task = route.per_task(m, n);
-    let panels = n.div_ceil(NR);
-    let y_addr = y.as_mut_ptr() as usize;
-    (0..panels.div_ceil(per_task)).into_par_iter().for_each(|t| {
-        let (p0, p1) = (t * per_task, ((t + 1) * per_task).min(panels));
-        let (c0, c1) = (p0 * NR, (p1 * NR).min(n));
-        // SAFETY: tasks cover disjoint panel ranges, so they write disjoint columns of `y`, which
-        // outlives the parallel loop.
-        let y = unsafe { std::slice::from_raw_parts_mut(y_addr as *mut f32, m * n) };
+    // `by_panels` owns the tasks (and checks `x` and `y`); the biases are added here, before `f`,
+    // each after its product as `gemm` adds it.
+    by_panels(x, m, gate, None, y, route.per_task(m, n), |(p0, p1), y| {
         route.run(x, m, gate, (p0, p1), y);
-        if let Some(b) = gate_bias {
-            for row in y.chunks_mut(n) {
-                row[c0..c1].iter_mut().zip(&b[c0..c1]).for_each(|(v, b)| *v += b);
-            }
-        }
         // The second product's columns `c0..c1`, as the product by those rows of `U` alone.
+        let (c0, c1) = (p0 * NR, (p1 * NR).min(n));
         let width = c1 - c0;
         let up_cols = outputs(up, c0, c1);
         SECOND.with_borrow_mut(|second| {
             second.resize(m * width, 0.0);
             route.run(x, m, &up_cols, (0, width.div_ceil(NR)), second);
             for (row, s) in y.chunks_mut(n).zip(second.chunks_mut(width)) {
+                let g = &mut row[c0..c1];
+                if let Some(b) = gate_bias {
+                    g.iter_mut().zip(&b[c0..c1]).for_each(|(v, b)| *v += b);
+                }
                 if let Some(b) = up_bias {
                     s.iter_mut().zip(&b[c0..c1]).for_each(|(v, b)| *v += b);
                 }
-                f(&mut row[c0..c1], s);
+                f(g, s);
             }
         });
     });
