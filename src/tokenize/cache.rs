@@ -71,19 +71,16 @@ fn encode(key: &Key, bpe: &Bpe) -> Vec<u8> {
     let (vocab, merges, ignore_merges) = bpe.parts();
     let (text, spans) = vocab.parts();
     let mut out = Vec::with_capacity(16 + text.len() + spans.len() * 8 + merges.len() * 16);
-    let mut put = |v: u32| out.extend_from_slice(&v.to_le_bytes());
-    put(u32::from(ignore_merges));
-    put(text.len() as u32);
+    let put = |out: &mut Vec<u8>, words: &[u32]| words.iter().for_each(|w| out.extend(w.to_le_bytes()));
+    put(&mut out, &[u32::from(ignore_merges), text.len() as u32]);
     out.extend_from_slice(text.as_bytes());
-    let mut put = |v: u32| out.extend_from_slice(&v.to_le_bytes());
-    put(spans.len() as u32);
+    put(&mut out, &[spans.len() as u32]);
     for &(start, end) in spans {
-        put(start);
-        put(end);
+        put(&mut out, &[start, end]);
     }
-    put(merges.len() as u32);
+    put(&mut out, &[merges.len() as u32]);
     for (&(a, b), &(rank, id)) in merges {
-        [a, b, rank, id].into_iter().for_each(&mut put);
+        put(&mut out, &[a, b, rank, id]);
     }
     let mut copy = Vec::with_capacity(HEADER + out.len());
     copy.extend_from_slice(&MAGIC);

@@ -282,15 +282,17 @@ pub(super) fn parse(bytes: &[u8]) -> Option<Direct> {
 /// bytes (`cache.rs`), else parsed and copied there.
 pub(super) fn parse_cached(bytes: &[u8], cache: Option<&Path>) -> Option<Direct> {
     let key = cache.map(|dir| (dir, Key::of(bytes)));
-    if let Some(copy) = key.as_ref().and_then(|(dir, key)| cache::fetch(dir, key)) {
-        // The rest of the file (normaliser, pre-tokenizer, added tokens, ...) is still read from
-        // it, the model skipped, while the copy is read back.
-        let (bpe, file) = rayon::join(
-            || cache::decode(&copy, &key.as_ref().expect("fetched with a key").1),
-            || serde_json::from_slice::<TokenizerFile<IgnoredAny>>(bytes),
-        );
-        if let Some(bpe) = bpe {
-            return assemble(file.ok()?, bpe);
+    if let Some((dir, key)) = &key {
+        if let Some(copy) = cache::fetch(dir, key) {
+            // The rest of the file (normaliser, pre-tokenizer, added tokens, ...) is still read
+            // from it, the model skipped, while the copy is read back.
+            let (bpe, file) = rayon::join(
+                || cache::decode(&copy, key),
+                || serde_json::from_slice::<TokenizerFile<IgnoredAny>>(bytes),
+            );
+            if let Some(bpe) = bpe {
+                return assemble(file.ok()?, bpe);
+            }
         }
     }
     let file: TokenizerFile<BpeFile> = serde_json::from_slice(bytes).ok()?;
