@@ -116,6 +116,11 @@ fn every_path_computes_the_definition_bitwise() {
         (3, 9, 300),
         (31, 20, 2100),
         (32, 9, 40),
+        // Decode rows on AVX-512 bf16 read 32 steps of each weight row per load: 2, 4 and 5 rows
+        // (1, 3, 6 and 7 above and below), whole loads only, a tail of one step.
+        (2, 48, 96),
+        (4, 20, 64),
+        (5, 64, 33),
     ] {
         for elem in [Elem::F32, Elem::Bf16, Elem::F16] {
             let (stored, w) = weight(&mut rng, n, k, elem);

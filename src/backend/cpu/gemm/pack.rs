@@ -287,7 +287,8 @@ mod x86 {
 
     /// [`super::fused_rows`] for one whole panel `p`, in 8-column halves: 8 rows of the weight
     /// streamed at a time, 8 × 8 transposes (cheaper per element than 16 × 16 on 512-bit
-    /// registers, and the same on both x86 paths).
+    /// registers, and the same on both x86 paths). Bf16 weights on AVX-512 take
+    /// [`pairs_fused512`] instead.
     ///
     /// # Safety
     /// AVX2, FMA and F16C; rows `16p..16p + 16` inside `w`; `x` holds `m` rows of `w.k`, `y` `m`
@@ -320,6 +321,59 @@ mod x86 {
                 let at = r * w.n + p * NR + 8 * half;
                 y[at..at + 8].copy_from_slice(a);
             }
+        }
+    }
+
+    /// [`super::fused_rows`] for one whole panel `p` of a bf16 weight on AVX-512: each of its 16
+    /// rows' next 32 steps are one 64-byte load, read as 16 pairs of neighbouring steps; a 16 × 16
+    /// transpose of those 32-bit pairs gives each pair step's two words for the 16 columns, and
+    /// the even step's f32 is the pair shifted up, the odd one's the pair with its low word
+    /// cleared. That is a third of the 8 × 8 path's shuffles per value, which bound it. The chains
+    /// are the same (one `fma` per step in order of `k`), so the bits are.
+    ///
+    /// # Safety
+    /// AVX-512F; rows `16p..16p + 16` inside `w` (bf16); `x` holds `R` rows of `w.k`, `y` `R` of
+    /// `w.n`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn pairs_fused512<const R: usize>(x: &[f32], w: &Matrix<'_>, p: usize, y: &mut [f32]) {
+        let (base, _, _) = storage(w);
+        let (k, ld) = (w.k, 2 * w.k);
+        let src = base.add(p * NR * ld);
+        let xp = x.as_ptr();
+        let high = _mm512_set1_epi32(-65536);
+        let mut acc = [_mm512_setzero_ps(); R];
+        for t in 0..k / 32 {
+            let at = src.add(64 * t);
+            let mut r = [_mm512_setzero_ps(); 16];
+            for j in 0..16 {
+                r[j] = _mm512_loadu_ps(at.add(j * ld).cast());
+                _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(j * ld + PFD).cast());
+            }
+            let c = transpose16(r);
+            for i in 0..16 {
+                let pair = _mm512_castps_si512(c[i]);
+                let even = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+                let odd = _mm512_castsi512_ps(_mm512_and_si512(pair, high));
+                for q in 0..R {
+                    let s = q * k + 32 * t + 2 * i;
+                    acc[q] = _mm512_fmadd_ps(_mm512_set1_ps(*xp.add(s)), even, acc[q]);
+                    acc[q] = _mm512_fmadd_ps(_mm512_set1_ps(*xp.add(s + 1)), odd, acc[q]);
+                }
+            }
+        }
+        for kk in 32 * (k / 32)..k {
+            let mut col = [0f32; NR];
+            for (j, v) in col.iter_mut().enumerate() {
+                let word = src.add(j * ld + 2 * kk).cast::<u16>().read_unaligned();
+                *v = f32::from_bits(u32::from(word) << 16);
+            }
+            let cv = _mm512_loadu_ps(col.as_ptr());
+            for q in 0..R {
+                acc[q] = _mm512_fmadd_ps(_mm512_set1_ps(*xp.add(q * k + kk)), cv, acc[q]);
+            }
+        }
+        for q in 0..R {
+            _mm512_storeu_ps(y.as_mut_ptr().add(q * w.n + p * NR), acc[q]);
         }
     }
 
@@ -433,10 +487,34 @@ pub(super) fn fused_rows(
         return p0;
     }
     #[cfg(target_arch = "x86_64")]
-    for p in p0..whole {
-        // SAFETY: `gemm_with` checked AVX2, FMA and F16C (AVX-512F CPUs have them); panel `p`
-        // is whole (rows `16p..16p + 16` < n), `x` and `y` hold `m` rows (asserted above).
-        unsafe { x86::fused256(x, m, w, p, y) };
+    if isa == Isa::Avx512 && matches!(w.data, RowMajor::Bf16(_)) {
+        pairs_fused(x, m, w, (p0, whole), y);
+    } else {
+        for p in p0..whole {
+            // SAFETY: `gemm_with` checked AVX2, FMA and F16C (AVX-512F CPUs have them); panel
+            // `p` is whole (rows `16p..16p + 16` < n), `x` and `y` hold `m` rows (asserted above).
+            unsafe { x86::fused256(x, m, w, p, y) };
+        }
     }
     whole
+}
+
+/// The AVX-512 bf16 chains ([`x86::pairs_fused512`]) over whole panels `p0..p1`.
+#[cfg(target_arch = "x86_64")]
+fn pairs_fused(x: &[f32], m: usize, w: &Matrix<'_>, (p0, p1): (usize, usize), y: &mut [f32]) {
+    for p in p0..p1 {
+        // SAFETY: `gemm_with` checked AVX-512F; panel `p` is whole (below `w.n / 16`), the
+        // weight is bf16, and `x` and `y` hold `m` rows (asserted by `fused_rows`).
+        unsafe {
+            match m {
+                1 => x86::pairs_fused512::<1>(x, w, p, y),
+                2 => x86::pairs_fused512::<2>(x, w, p, y),
+                3 => x86::pairs_fused512::<3>(x, w, p, y),
+                4 => x86::pairs_fused512::<4>(x, w, p, y),
+                5 => x86::pairs_fused512::<5>(x, w, p, y),
+                6 => x86::pairs_fused512::<6>(x, w, p, y),
+                _ => x86::pairs_fused512::<7>(x, w, p, y),
+            }
+        }
+    }
 }
