@@ -288,7 +288,7 @@ mod x86 {
     /// [`super::fused_rows`] for one whole panel `p`, in 8-column halves: 8 rows of the weight
     /// streamed at a time, 8 × 8 transposes. On AVX-512, bf16 and f32 weights take
     /// [`pairs_fused512`] and [`f32_fused512`] instead: 16 × 16 transposes, fewer shuffles per
-    /// value, and measured 5–14% faster (docs/PERFORMANCE.md, 2026-12-07, sixth session).
+    /// value, and measured 5–16% faster (docs/PERFORMANCE.md, 2026-12-07, sixth session).
     ///
     /// # Safety
     /// AVX2, FMA and F16C; rows `16p..16p + 16` inside `w`; `x` holds `m` rows of `w.k`, `y` `m`
@@ -379,7 +379,7 @@ mod x86 {
 
     /// [`super::fused_rows`] for one whole panel `p` of an f32 weight on AVX-512: 16 steps of its
     /// 16 rows per 16 × 16 transpose (a third fewer shuffles per value than 8 × 8), each row
-    /// prefetched 512 bytes ahead (256: 3% slower; 1,024: slower than the 8 × 8 path).
+    /// prefetched 512 bytes ahead (256 and 1,024 were slower).
     ///
     /// # Safety
     /// AVX-512F; rows `16p..16p + 16` inside `w` (f32); `x` holds `R` rows of `w.k`, `y` `R` of
