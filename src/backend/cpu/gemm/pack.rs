@@ -286,9 +286,10 @@ mod x86 {
     const PFD: usize = 256;
 
     /// [`super::fused_rows`] for one whole panel `p`, in 8-column halves: 8 rows of the weight
-    /// streamed at a time, 8 × 8 transposes. On AVX-512, bf16 and f32 weights take
-    /// [`pairs_fused512`] and [`f32_fused512`] instead: 16 × 16 transposes, fewer shuffles per
-    /// value, and measured 5–16% faster (docs/PERFORMANCE.md, 2026-12-07, sixth session).
+    /// streamed at a time, 8 × 8 transposes: the f16 weights' path, and f32's on AVX2. On AVX-512,
+    /// bf16 and f32 weights take [`pairs_fused512`] and [`f32_fused512`] instead: 16 × 16
+    /// transposes, fewer shuffles per value, and measured 5–16% faster (docs/PERFORMANCE.md,
+    /// 2026-12-07, sixth session); bf16 on AVX2 takes [`pairs_fused256`].
     ///
     /// # Safety
     /// AVX2, FMA and F16C; rows `16p..16p + 16` inside `w`; `x` holds `m` rows of `w.k`, `y` `m`
@@ -483,6 +484,65 @@ mod x86 {
         }
     }
 
+    /// [`pairs_fused512`] on AVX2, for one whole panel `p` of a bf16 weight: each row's next 16
+    /// steps are one 32-byte load of 8 pairs, and an 8 × 8 transpose of the pairs gives each pair
+    /// step's two words for 8 columns. The panel's two halves run side by side (two chains: one
+    /// alone waits on its own `fma`s).
+    ///
+    /// # Safety
+    /// AVX2 and FMA; rows `16p..16p + 16` inside `w` (bf16); `x` holds `R` rows of `w.k`, `y` `R`
+    /// of `w.n`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn pairs_fused256<const R: usize>(x: &[f32], w: &Matrix<'_>, p: usize, y: &mut [f32]) {
+        let (base, _, _) = storage(w);
+        let (k, ld) = (w.k, 2 * w.k);
+        let src = base.add(p * NR * ld);
+        let xp = x.as_ptr();
+        let high = _mm256_set1_epi32(-65536);
+        let mut acc = [[_mm256_setzero_ps(); R]; 2];
+        for t in 0..k / 16 {
+            for half in 0..2 {
+                let at = src.add(8 * half * ld + 32 * t);
+                let mut r = [_mm256_setzero_ps(); 8];
+                for j in 0..8 {
+                    r[j] = _mm256_loadu_ps(at.add(j * ld).cast());
+                    _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(j * ld + PFD).cast());
+                }
+                let c = transpose8(r);
+                for i in 0..8 {
+                    let pair = _mm256_castps_si256(c[i]);
+                    let even = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
+                    let odd = _mm256_castsi256_ps(_mm256_and_si256(pair, high));
+                    for q in 0..R {
+                        let s = q * k + 16 * t + 2 * i;
+                        let a = &mut acc[half][q];
+                        *a = _mm256_fmadd_ps(_mm256_set1_ps(*xp.add(s)), even, *a);
+                        *a = _mm256_fmadd_ps(_mm256_set1_ps(*xp.add(s + 1)), odd, *a);
+                    }
+                }
+            }
+        }
+        for half in 0..2 {
+            for kk in 16 * (k / 16)..k {
+                let mut col = [0f32; 8];
+                for (j, v) in col.iter_mut().enumerate() {
+                    let word = src
+                        .add((8 * half + j) * ld + 2 * kk)
+                        .cast::<u16>()
+                        .read_unaligned();
+                    *v = f32::from_bits(u32::from(word) << 16);
+                }
+                let cv = _mm256_loadu_ps(col.as_ptr());
+                for q in 0..R {
+                    acc[half][q] = _mm256_fmadd_ps(_mm256_set1_ps(*xp.add(q * k + kk)), cv, acc[half][q]);
+                }
+            }
+            for q in 0..R {
+                _mm256_storeu_ps(y.as_mut_ptr().add(q * w.n + p * NR + 8 * half), acc[half][q]);
+            }
+        }
+    }
+
     /// `c[i]` lane `j` = `r[j]` lane `i`.
     #[inline]
     #[target_feature(enable = "avx2")]
@@ -533,6 +593,7 @@ pub(super) fn fused_rows(
     for p in p0..whole {
         match (isa, w.data) {
             (Isa::Avx512, RowMajor::Bf16(_) | RowMajor::F32(_)) => fused512(x, m, w, p, y),
+            (Isa::Avx2, RowMajor::Bf16(_)) => pairs256(x, m, w, p, y),
             // SAFETY: `gemm_with` checked AVX2, FMA and F16C (AVX-512F CPUs have them); panel
             // `p` is whole (rows `16p..16p + 16` < n), `x` and `y` hold `m` rows (asserted above).
             _ => unsafe { x86::fused256(x, m, w, p, y) },
@@ -567,5 +628,23 @@ fn fused512(x: &[f32], m: usize, w: &Matrix<'_>, p: usize, y: &mut [f32]) {
         RowMajor::Bf16(_) => rows!(pairs_fused512),
         RowMajor::F32(_) => rows!(f32_fused512),
         RowMajor::F16(_) => unreachable!("f16 weights take the 8 × 8 path"),
+    }
+}
+
+/// Whole panel `p` of a bf16 weight on AVX2 ([`x86::pairs_fused256`]), for `m` (1..8) rows.
+#[cfg(target_arch = "x86_64")]
+fn pairs256(x: &[f32], m: usize, w: &Matrix<'_>, p: usize, y: &mut [f32]) {
+    // SAFETY: `gemm_with` checked AVX2 and FMA; panel `p` is whole (below `w.n / 16`), the weight
+    // is bf16, and `x` and `y` hold `m` rows (asserted by `fused_rows`).
+    unsafe {
+        match m {
+            1 => x86::pairs_fused256::<1>(x, w, p, y),
+            2 => x86::pairs_fused256::<2>(x, w, p, y),
+            3 => x86::pairs_fused256::<3>(x, w, p, y),
+            4 => x86::pairs_fused256::<4>(x, w, p, y),
+            5 => x86::pairs_fused256::<5>(x, w, p, y),
+            6 => x86::pairs_fused256::<6>(x, w, p, y),
+            _ => x86::pairs_fused256::<7>(x, w, p, y),
+        }
     }
 }
