@@ -363,12 +363,7 @@ mod x86 {
             }
         }
         for kk in 32 * (k / 32)..k {
-            let mut col = [0f32; NR];
-            for (j, v) in col.iter_mut().enumerate() {
-                let word = src.add(j * ld + 2 * kk).cast::<u16>().read_unaligned();
-                *v = f32::from_bits(u32::from(word) << 16);
-            }
-            let cv = _mm512_loadu_ps(col.as_ptr());
+            let cv = _mm512_loadu_ps(column::<BF16, NR>(src, ld, kk).as_ptr());
             for q in 0..R {
                 acc[q] = _mm512_fmadd_ps(_mm512_set1_ps(*xp.add(q * k + kk)), cv, acc[q]);
             }
@@ -407,11 +402,7 @@ mod x86 {
             }
         }
         for kk in 16 * (k / 16)..k {
-            let mut col = [0f32; NR];
-            for (j, v) in col.iter_mut().enumerate() {
-                *v = src.add(j * ld + 4 * kk).cast::<f32>().read_unaligned();
-            }
-            let cv = _mm512_loadu_ps(col.as_ptr());
+            let cv = _mm512_loadu_ps(column::<F32, NR>(src, ld, kk).as_ptr());
             for q in 0..R {
                 acc[q] = _mm512_fmadd_ps(_mm512_set1_ps(*xp.add(q * k + kk)), cv, acc[q]);
             }
@@ -419,6 +410,20 @@ mod x86 {
         for q in 0..R {
             _mm512_storeu_ps(y.as_mut_ptr().add(q * w.n + p * NR), acc[q]);
         }
+    }
+
+    /// Step `kk` of `L` rows from `src` (`ld` bytes apart) in storage `KIND`, widened to f32: the
+    /// decode chains' steps past their last whole transpose.
+    #[inline]
+    unsafe fn column<const KIND: u8, const L: usize>(src: *const u8, ld: usize, kk: usize) -> [f32; L] {
+        std::array::from_fn(|j| {
+            let at = src.add(j * ld);
+            match KIND {
+                F32 => at.cast::<f32>().add(kk).read_unaligned(),
+                BF16 => f32::from_bits(u32::from(at.cast::<u16>().add(kk).read_unaligned()) << 16),
+                _ => half::f16::from_bits(at.cast::<u16>().add(kk).read_unaligned()).to_f32(),
+            }
+        })
     }
 
     /// 8 values of storage `KIND` at `p`, widened to f32.
@@ -465,16 +470,7 @@ mod x86 {
             }
         }
         for kk in 8 * tiles..k {
-            let mut col = [0f32; 8];
-            for (j, v) in col.iter_mut().enumerate() {
-                let at = src.add(j * ld + kk * size);
-                *v = match KIND {
-                    F32 => at.cast::<f32>().read_unaligned(),
-                    BF16 => f32::from_bits(u32::from(at.cast::<u16>().read_unaligned()) << 16),
-                    _ => half::f16::from_bits(at.cast::<u16>().read_unaligned()).to_f32(),
-                };
-            }
-            let cv = _mm256_loadu_ps(col.as_ptr());
+            let cv = _mm256_loadu_ps(column::<KIND, 8>(src, ld, kk).as_ptr());
             for q in 0..R {
                 acc[q] = _mm256_fmadd_ps(_mm256_set1_ps(*xp.add(q * k + kk)), cv, acc[q]);
             }
@@ -524,15 +520,7 @@ mod x86 {
         }
         for half in 0..2 {
             for kk in 16 * (k / 16)..k {
-                let mut col = [0f32; 8];
-                for (j, v) in col.iter_mut().enumerate() {
-                    let word = src
-                        .add((8 * half + j) * ld + 2 * kk)
-                        .cast::<u16>()
-                        .read_unaligned();
-                    *v = f32::from_bits(u32::from(word) << 16);
-                }
-                let cv = _mm256_loadu_ps(col.as_ptr());
+                let cv = _mm256_loadu_ps(column::<BF16, 8>(src.add(8 * half * ld), ld, kk).as_ptr());
                 for q in 0..R {
                     acc[half][q] = _mm256_fmadd_ps(_mm256_set1_ps(*xp.add(q * k + kk)), cv, acc[half][q]);
                 }
@@ -602,32 +590,34 @@ pub(super) fn fused_rows(
     whole
 }
 
+/// `x86::$kernel::<m>(x, w, p, y)` for the call's `m` (1..8) rows.
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_rows {
+    ($kernel:ident, $x:expr, $m:expr, $w:expr, $p:expr, $y:expr) => {
+        match $m {
+            1 => x86::$kernel::<1>($x, $w, $p, $y),
+            2 => x86::$kernel::<2>($x, $w, $p, $y),
+            3 => x86::$kernel::<3>($x, $w, $p, $y),
+            4 => x86::$kernel::<4>($x, $w, $p, $y),
+            5 => x86::$kernel::<5>($x, $w, $p, $y),
+            6 => x86::$kernel::<6>($x, $w, $p, $y),
+            _ => x86::$kernel::<7>($x, $w, $p, $y),
+        }
+    };
+}
+
 /// Whole panel `p` of a bf16 ([`x86::pairs_fused512`]) or f32 ([`x86::f32_fused512`]) weight on
 /// AVX-512, for `m` (1..8) rows.
 #[cfg(target_arch = "x86_64")]
 fn fused512(x: &[f32], m: usize, w: &Matrix<'_>, p: usize, y: &mut [f32]) {
-    macro_rules! rows {
-        ($kernel:ident) => {
-            // SAFETY: `gemm_with` checked AVX-512F; panel `p` is whole (below `w.n / 16`), the
-            // weight's kind is the kernel's, and `x` and `y` hold `m` rows (asserted by
-            // `fused_rows`).
-            unsafe {
-                match m {
-                    1 => x86::$kernel::<1>(x, w, p, y),
-                    2 => x86::$kernel::<2>(x, w, p, y),
-                    3 => x86::$kernel::<3>(x, w, p, y),
-                    4 => x86::$kernel::<4>(x, w, p, y),
-                    5 => x86::$kernel::<5>(x, w, p, y),
-                    6 => x86::$kernel::<6>(x, w, p, y),
-                    _ => x86::$kernel::<7>(x, w, p, y),
-                }
-            }
-        };
-    }
-    match w.data {
-        RowMajor::Bf16(_) => rows!(pairs_fused512),
-        RowMajor::F32(_) => rows!(f32_fused512),
-        RowMajor::F16(_) => unreachable!("f16 weights take the 8 × 8 path"),
+    // SAFETY: `gemm_with` checked AVX-512F; panel `p` is whole (below `w.n / 16`), the weight's
+    // kind is the kernel's, and `x` and `y` hold `m` rows (asserted by `fused_rows`).
+    unsafe {
+        match w.data {
+            RowMajor::Bf16(_) => by_rows!(pairs_fused512, x, m, w, p, y),
+            RowMajor::F32(_) => by_rows!(f32_fused512, x, m, w, p, y),
+            RowMajor::F16(_) => unreachable!("f16 weights take the 8 × 8 path"),
+        }
     }
 }
 
@@ -636,15 +626,5 @@ fn fused512(x: &[f32], m: usize, w: &Matrix<'_>, p: usize, y: &mut [f32]) {
 fn pairs256(x: &[f32], m: usize, w: &Matrix<'_>, p: usize, y: &mut [f32]) {
     // SAFETY: `gemm_with` checked AVX2 and FMA; panel `p` is whole (below `w.n / 16`), the weight
     // is bf16, and `x` and `y` hold `m` rows (asserted by `fused_rows`).
-    unsafe {
-        match m {
-            1 => x86::pairs_fused256::<1>(x, w, p, y),
-            2 => x86::pairs_fused256::<2>(x, w, p, y),
-            3 => x86::pairs_fused256::<3>(x, w, p, y),
-            4 => x86::pairs_fused256::<4>(x, w, p, y),
-            5 => x86::pairs_fused256::<5>(x, w, p, y),
-            6 => x86::pairs_fused256::<6>(x, w, p, y),
-            _ => x86::pairs_fused256::<7>(x, w, p, y),
-        }
-    }
+    unsafe { by_rows!(pairs_fused256, x, m, w, p, y) }
 }
