@@ -6,7 +6,9 @@
 //! an elementwise function (`gemm_gated`, a SwiGLU MLP's gate and up) are that function of the
 //! two definitions, bit for bit.
 
-use recall::backend::cpu::gemm::{fuses_gated, gemm, gemm_gated, gemm_with, Isa, Matrix, Panels, RowMajor};
+use recall::backend::cpu::gemm::{
+    fuses_gated, gemm, gemm_gated, gemm_shared, gemm_with, Isa, Matrix, Panels, RowMajor,
+};
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Elem {
@@ -178,6 +180,67 @@ fn a_row_does_not_depend_on_its_batch_or_the_thread_count() {
         let mut y = vec![0f32; m * n];
         pool.install(|| gemm(&x, m, &matrix, None, &mut y));
         assert_eq!(bits(&y), bits(&all), "{threads} threads");
+    }
+}
+
+/// Several weights on one `x` (a decode's q, k and v) run as one parallel pass: each output is
+/// still its weight's definition, bit for bit, whatever the weights' widths, dtypes and layouts,
+/// with biases or without, on any number of threads (tasks of different weights interleave).
+#[test]
+fn shared_calls_compute_the_definition_bitwise() {
+    let mut rng = fastrand::Rng::with_seed(6);
+    for &(m, k) in &[(1, 96), (3, 300), (7, 64), (8, 40), (40, 70), (2, 0)] {
+        let shapes = [
+            (200, Elem::F32),
+            (17, Elem::Bf16),
+            (9, Elem::F16),
+            (64, Elem::Bf16),
+            (5, Elem::F32),
+        ];
+        let stored: Vec<(Stored, Vec<f32>)> =
+            shapes.iter().map(|&(n, e)| weight(&mut rng, n, k, e)).collect();
+        let panels = Panels::pack(&stored[3].0.matrix());
+        let mats: Vec<Matrix<'_>> = stored
+            .iter()
+            .enumerate()
+            .map(|(i, (s, _))| {
+                if i == 3 {
+                    s.matrix().with_panels(&panels)
+                } else {
+                    s.matrix()
+                }
+            })
+            .collect();
+        let biases: Vec<Option<Vec<f32>>> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, &(n, _))| (i % 2 == 0).then(|| (0..n).map(|_| rng.f32()).collect()))
+            .collect();
+        let x: Vec<f32> = (0..m * k).map(|_| rng.f32() * 4.0 - 2.0).collect();
+        for threads in [1, 2, 3, 5] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            let mut outs: Vec<Vec<f32>> = mats.iter().map(|w| vec![f32::NAN; m * w.n]).collect();
+            let mut jobs: Vec<_> = mats
+                .iter()
+                .zip(&biases)
+                .zip(outs.iter_mut())
+                .map(|((w, b), y)| (w, b.as_deref(), y.as_mut_slice()))
+                .collect();
+            pool.install(|| gemm_shared(&x, m, &mut jobs));
+            for (i, (((_, w), got), b)) in stored.iter().zip(&outs).zip(&biases).enumerate() {
+                let want = reference(&x, m, w, mats[i].n, k, b.as_deref());
+                assert_eq!(
+                    bits(got),
+                    bits(&want),
+                    "weight {i} ({:?}, n = {}), m = {m}, k = {k}, {threads} threads",
+                    shapes[i].1,
+                    mats[i].n
+                );
+            }
+        }
     }
 }
 

@@ -41,6 +41,7 @@ mod bf16;
 mod dot_bf16;
 mod gated;
 mod pack;
+mod tasks;
 #[cfg(target_arch = "x86_64")]
 pub(super) use amx::{tile_products, TileOperand};
 #[cfg(target_arch = "x86_64")]
@@ -54,6 +55,7 @@ pub use bf16::{
     takes_bf16_dot, Bf16Kernel, GemmJob,
 };
 pub use gated::{fuses_gated, gemm_gated, GatedWeight};
+use tasks::{by_panels, by_panels_of};
 
 /// Output columns per panel (one AVX-512 register of f32).
 pub const NR: usize = 16;
@@ -371,54 +373,6 @@ pub fn gemm_with(isa: Isa, x: &[f32], m: usize, w: &Matrix<'_>, bias: Option<&[f
     assert!(isa.available(), "{isa:?} is not available on this CPU");
     by_panels(x, m, w, bias, y, None, |(p0, p1), y| {
         panel_range(isa, x, m, w, p0, p1, y)
-    });
-}
-
-/// Runs `range` over runs of panels in parallel, each writing its columns of every row of `y`,
-/// then adds the bias: the shared frame of both paths. A task holds `per_task` panels where the
-/// caller asks (fewer, longer runs where a block merits a pass of `x`), else about 8 per thread.
-fn by_panels(
-    x: &[f32],
-    m: usize,
-    w: &Matrix<'_>,
-    bias: Option<&[f32]>,
-    y: &mut [f32],
-    per_task: Option<usize>,
-    range: impl Fn((usize, usize), &mut [f32]) + Sync,
-) {
-    // Each task owns a run of panels (whole groups of NP, the kernel's width) for every row. About 8
-    // tasks per thread even out the threads' shares (with 4, 2048 columns left one of 2 cores idle a
-    // tenth of the time). The partition depends on the thread count, never the arithmetic.
-    let groups = w.n.div_ceil(NR).div_ceil(NP);
-    let per_task = per_task.unwrap_or_else(|| groups.div_ceil(rayon::current_num_threads() * 8).max(1) * NP);
-    let (k, n) = (w.k, w.n);
-    assert_eq!(x.len(), m * k, "x is not [{m}, {k}]");
-    assert_eq!(y.len(), m * n, "y is not [{m}, {n}]");
-    assert!(per_task > 0, "a task holds panels");
-    assert!(bias.is_none_or(|b| b.len() == n), "bias is not [{n}]");
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        // An empty sum: every element is 0 (+ bias).
-        y.fill(0.0);
-    }
-    let panels = n.div_ceil(NR);
-    let y_addr = y.as_mut_ptr() as usize;
-    (0..panels.div_ceil(per_task)).into_par_iter().for_each(|t| {
-        let (p0, p1) = (t * per_task, ((t + 1) * per_task).min(panels));
-        // SAFETY: tasks cover disjoint panel ranges, so they write disjoint columns of `y`, which
-        // outlives the parallel loop.
-        let y = unsafe { std::slice::from_raw_parts_mut(y_addr as *mut f32, m * n) };
-        range((p0, p1), y);
-        // The bias of the task's columns, on all threads (as one pass after the loop, it was a
-        // single-threaded sweep over all of `y`).
-        if let Some(b) = bias {
-            let (c0, c1) = (p0 * NR, (p1 * NR).min(n));
-            for row in y.chunks_mut(n) {
-                row[c0..c1].iter_mut().zip(&b[c0..c1]).for_each(|(v, b)| *v += b);
-            }
-        }
     });
 }
 

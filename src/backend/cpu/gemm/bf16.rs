@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 
 #[cfg(target_arch = "x86_64")]
 use super::{amx, by_panels, dot_bf16};
-use super::{gemm, Matrix, RowMajor};
+use super::{by_panels_of, gemm, panel_range, Isa, Matrix, RowMajor, MR};
 use crate::{Error, Result};
 
 /// Whether calls on bf16 weights go through AVX512-BF16 (see [`set_bf16_dot`]).
@@ -146,17 +146,65 @@ pub fn gemm_bf16_dot_with(
 pub type GemmJob<'a, 'w> = (&'a Matrix<'w>, Option<&'a [f32]>, &'a mut [f32]);
 
 /// [`gemm`] of one `x` (`[m, k]`) by each `(w, bias, y)` of `jobs`, each `y` with the bits `gemm`
-/// gives it alone. Where `gemm` would round `x` into AMX tiles for each weight (`--cpu-bf16-dot`
-/// on many rows), it rounds them once for all.
+/// gives it alone. For a decode's few rows, all the weights' panels run in one parallel pass: q,
+/// k and v, or gate and up, each a few megabytes, then share one start and one finish (a
+/// prefill's products are long enough not to need it). Under `--cpu-bf16-dot`, `x` is rounded
+/// once for all the weights (into AMX tiles for many rows).
+///
+/// ```
+/// use recall::backend::cpu::gemm::{gemm, gemm_shared, Matrix, RowMajor};
+/// let (q, kv): (Vec<f32>, Vec<f32>) = ((0..64 * 8).map(|i| i as f32).collect(), vec![0.5; 32 * 8]);
+/// let (q, kv) = (Matrix::new(64, 8, RowMajor::F32(&q)), Matrix::new(32, 8, RowMajor::F32(&kv)));
+/// let x = [1.0, -2.0, 0.5, 0.0, 3.0, 1.0, 1.0, 2.0];
+/// let (mut yq, mut ykv) = (vec![0.0; 64], vec![0.0; 32]);
+/// gemm_shared(&x, 1, &mut [(&q, None, &mut yq), (&kv, None, &mut ykv)]);
+/// let mut alone = vec![0.0; 64];
+/// gemm(&x, 1, &q, None, &mut alone);
+/// assert_eq!(yq, alone);
+/// ```
 pub fn gemm_shared(x: &[f32], m: usize, jobs: &mut [GemmJob<'_, '_>]) {
+    let ws: Vec<Matrix<'_>> = jobs.iter().map(|(w, ..)| **w).collect();
+    let dot = |w: &Matrix<'_>| bf16_dot() && takes_bf16_dot(w);
+    if jobs.len() > 1 && m < MR && !ws.iter().any(dot) {
+        let isa = Isa::detect();
+        return by_panels_of(x, m, jobs, None, |j, (p0, p1), y| {
+            panel_range(isa, x, m, &ws[j], p0, p1, y)
+        });
+    }
     #[cfg(target_arch = "x86_64")]
-    if bf16_dot() && jobs.iter().all(|(w, ..)| takes_bf16_dot(w) && w.k == jobs[0].0.k) && shares_amx_tiles(m)
-    {
-        return amx_shared(x, m, jobs);
+    if jobs.len() > 1 && ws.iter().all(|w| dot(w) && w.k == ws[0].k) && dot_shared(x, m, jobs, &ws) {
+        return;
     }
     for (w, bias, y) in jobs.iter_mut() {
         gemm(x, m, w, *bias, y);
     }
+}
+
+/// [`gemm_shared`] on the bf16 kernel, for weights `ws` (all bf16, of one `k`, `jobs`' own) where
+/// it shares a pass: `x` rounded once for all (into AMX tiles for many rows), and for a decode's
+/// few rows every weight's panels in one parallel pass. False (nothing done) where it does not.
+#[cfg(target_arch = "x86_64")]
+fn dot_shared(x: &[f32], m: usize, jobs: &mut [GemmJob<'_, '_>], ws: &[Matrix<'_>]) -> bool {
+    let k = ws[0].k;
+    assert_eq!(x.len(), m * k, "x is not [{m}, {k}]");
+    match Bf16Kernel::detect() {
+        Some(Bf16Kernel::Amx) if shares_amx_tiles(m) => amx_shared(x, m, jobs),
+        Some(Bf16Kernel::Amx) => {
+            let a = dot_bf16::round_pairs(x);
+            let (xt, kpp) = amx::transpose_rows(&a, m, k / 2);
+            by_panels_of(x, m, jobs, None, |j, p, y| {
+                amx::few_rows(xt.words(), kpp, m, &ws[j], p, y)
+            });
+        }
+        Some(Bf16Kernel::Avx512Bf16) if m < MR => {
+            let a = dot_bf16::round_pairs(x);
+            by_panels_of(x, m, jobs, None, |j, (p0, p1), y| {
+                dot_bf16::panel_range(&a, m, &ws[j], p0, p1, y)
+            });
+        }
+        _ => return false,
+    }
+    true
 }
 
 /// Every panel of `w` on the row tiles `a` of `x` (from [`amx::tile_rows`]) into `y`.
