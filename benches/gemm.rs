@@ -6,7 +6,9 @@
 //! at 4 layers, `lm_head` included). `cargo bench --bench gemm`; `tools/cpu_compare.py` measures
 //! PyTorch's 2048³ matmul. `gemm_bf16_dot_*` times the opt-in bf16 products where the CPU has them.
 //! `gated` times a SwiGLU MLP's gate and up with their product, fused (`gemm_gated`) and as two
-//! products then an elementwise pass, on each path.
+//! products then an elementwise pass, on each path. `decode_shared` times a decode step's products
+//! that share an input (q, k and v; gate and up) over 8 layers' distinct weights (more than the
+//! caches hold), as one `gemm_shared` pass each and as one `gemm` per weight.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use recall::backend::cpu::gemm::{
@@ -167,5 +169,86 @@ fn bench_gated(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, peak, read, bench, bench_bf16_dot, bench_gated);
+/// One decode row by the 2B shape's q, k, v, gate and up of 8 layers (1.07 GB in f32): each
+/// layer's products on one input as one `gemm_shared` pass (`shared`) and as a `gemm` per weight
+/// (`separate`), exact in f32 and bf16, and on the bf16 kernel where the CPU has one.
+fn bench_decode_shared(c: &mut Criterion) {
+    let (k, layers) = (2048, 8);
+    let shapes = [
+        (2048, "q"),
+        (1024, "k"),
+        (1024, "v"),
+        (6144, "gate"),
+        (6144, "up"),
+    ];
+    let mut g = c.benchmark_group("decode_shared");
+    g.sample_size(10);
+    for (label, bf16, dot) in [
+        ("f32", false, false),
+        ("bf16", true, false),
+        ("bf16_dot", true, true),
+    ] {
+        if dot && set_bf16_dot(true).is_err() {
+            continue; // no AVX512-BF16 on this CPU
+        }
+        let stores: Vec<Vec<Stored>> = (0..layers)
+            .map(|_| shapes.iter().map(|&(n, _)| stored(n, k, bf16)).collect())
+            .collect();
+        let mats: Vec<Vec<Matrix<'_>>> = stores
+            .iter()
+            .map(|l| {
+                l.iter()
+                    .zip(&shapes)
+                    .map(|(s, &(n, _))| matrix(s, n, k))
+                    .collect()
+            })
+            .collect();
+        let x: Vec<f32> = (0..k).map(|i| ((i % 97) as f32) * 0.01 - 0.4).collect();
+        let mut ys: Vec<Vec<f32>> = shapes.iter().map(|&(n, _)| vec![0f32; n]).collect();
+        let bytes: usize = shapes
+            .iter()
+            .map(|&(n, _)| n * k * if bf16 { 2 } else { 4 })
+            .sum();
+        g.throughput(Throughput::Bytes((bytes * layers) as u64));
+        for shared in [false, true] {
+            let name = if shared { "shared" } else { "separate" };
+            g.bench_function(BenchmarkId::new(name, label), |b| {
+                b.iter(|| {
+                    for w in &mats {
+                        let [q, kk, v, gate, up] = &mut ys[..] else {
+                            unreachable!("five outputs")
+                        };
+                        let mut qkv = [
+                            (&w[0], None, &mut q[..]),
+                            (&w[1], None, &mut kk[..]),
+                            (&w[2], None, &mut v[..]),
+                        ];
+                        let mut mlp = [(&w[3], None, &mut gate[..]), (&w[4], None, &mut up[..])];
+                        for jobs in [&mut qkv[..], &mut mlp[..]] {
+                            if shared {
+                                gemm_shared(&x, 1, jobs);
+                            } else {
+                                for (w, _, y) in jobs.iter_mut() {
+                                    gemm(&x, 1, w, None, y);
+                                }
+                            }
+                        }
+                    }
+                })
+            });
+        }
+        set_bf16_dot(false).expect("turning it off always works");
+    }
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    peak,
+    read,
+    bench,
+    bench_bf16_dot,
+    bench_gated,
+    bench_decode_shared
+);
 criterion_main!(benches);
