@@ -118,28 +118,7 @@ pub fn gemm_bf16_dot_with(
     assert!(kernel.available(), "{kernel:?} is not available on this CPU");
     assert!(takes_bf16_dot(w), "a bf16 weight with an even k");
     #[cfg(target_arch = "x86_64")]
-    {
-        assert_eq!(x.len(), m * w.k, "x is not [{m}, {}]", w.k);
-        match kernel {
-            Bf16Kernel::Amx if m <= amx::FEW_ROWS => {
-                let a = dot_bf16::round_pairs(x);
-                let (xt, kpp) = amx::transpose_rows(&a, m, w.k / 2);
-                by_panels(x, m, w, bias, y, None, |p, y| {
-                    amx::few_rows(xt.words(), kpp, m, w, p, y)
-                });
-            }
-            Bf16Kernel::Amx => {
-                let (a, steps) = amx::tile_rows(x, m, w.k);
-                amx_panels((&a, steps), x, m, w, bias, y);
-            }
-            Bf16Kernel::Avx512Bf16 => {
-                let a = dot_bf16::round_pairs(x);
-                by_panels(x, m, w, bias, y, None, |(p0, p1), y| {
-                    dot_bf16::panel_range(&a, m, w, p0, p1, y)
-                });
-            }
-        }
-    }
+    dot_pass(kernel, x, m, &mut [(w, bias, y)], &[*w]);
 }
 
 /// One weight of [`gemm_shared`]: the weight, its bias and its output `y`.
@@ -172,39 +151,47 @@ pub fn gemm_shared(x: &[f32], m: usize, jobs: &mut [GemmJob<'_, '_>]) {
         });
     }
     #[cfg(target_arch = "x86_64")]
-    if jobs.len() > 1 && ws.iter().all(|w| dot(w) && w.k == ws[0].k) && dot_shared(x, m, jobs, &ws) {
-        return;
+    if jobs.len() > 1 && ws.iter().all(|w| dot(w) && w.k == ws[0].k) {
+        // Many rows on AVX512-BF16 gain nothing from a shared pass (no tiles to round once).
+        if let Some(kernel) = Bf16Kernel::detect().filter(|&k| k == Bf16Kernel::Amx || m < MR) {
+            return dot_pass(kernel, x, m, jobs, &ws);
+        }
     }
     for (w, bias, y) in jobs.iter_mut() {
         gemm(x, m, w, *bias, y);
     }
 }
 
-/// [`gemm_shared`] on the bf16 kernel, for weights `ws` (all bf16, of one `k`, `jobs`' own) where
-/// it shares a pass: `x` rounded once for all (into AMX tiles for many rows), and for a decode's
-/// few rows every weight's panels in one parallel pass. False (nothing done) where it does not.
+/// The bf16 products of `x` by each job's weight (`ws`, `jobs`' own, all bf16 of one `k`) on
+/// `kernel`: `x` rounded once for all of them (into AMX tiles for many rows), and for fewer rows
+/// every weight's panels in one parallel pass. One job is [`gemm_bf16_dot_with`]'s call.
 #[cfg(target_arch = "x86_64")]
-fn dot_shared(x: &[f32], m: usize, jobs: &mut [GemmJob<'_, '_>], ws: &[Matrix<'_>]) -> bool {
-    let k = ws[0].k;
+fn dot_pass(kernel: Bf16Kernel, x: &[f32], m: usize, jobs: &mut [GemmJob<'_, '_>], ws: &[Matrix<'_>]) {
+    let Some(k) = ws.first().map(|w| w.k) else {
+        return;
+    };
     assert_eq!(x.len(), m * k, "x is not [{m}, {k}]");
-    match Bf16Kernel::detect() {
-        Some(Bf16Kernel::Amx) if shares_amx_tiles(m) => amx_shared(x, m, jobs),
-        Some(Bf16Kernel::Amx) => {
+    match kernel {
+        Bf16Kernel::Amx if m > amx::FEW_ROWS => {
+            let (a, steps) = amx::tile_rows(x, m, k);
+            for (w, bias, y) in jobs.iter_mut() {
+                amx_panels((&a, steps), x, m, w, *bias, y);
+            }
+        }
+        Bf16Kernel::Amx => {
             let a = dot_bf16::round_pairs(x);
             let (xt, kpp) = amx::transpose_rows(&a, m, k / 2);
             by_panels_of(x, m, jobs, None, |j, p, y| {
                 amx::few_rows(xt.words(), kpp, m, &ws[j], p, y)
             });
         }
-        Some(Bf16Kernel::Avx512Bf16) if m < MR => {
+        Bf16Kernel::Avx512Bf16 => {
             let a = dot_bf16::round_pairs(x);
             by_panels_of(x, m, jobs, None, |j, (p0, p1), y| {
                 dot_bf16::panel_range(&a, m, &ws[j], p0, p1, y)
             });
         }
-        _ => return false,
     }
-    true
 }
 
 /// Every panel of `w` on the row tiles `a` of `x` (from [`amx::tile_rows`]) into `y`.
@@ -220,24 +207,4 @@ fn amx_panels(
     let run = |p, y: &mut [f32]| amx::panel_range(a.words(), steps, m, w, p, y);
     let per_task = amx::task_panels(m, w.n, rayon::current_num_threads());
     by_panels(x, m, w, bias, y, per_task, run);
-}
-
-/// Whether [`gemm_bf16_dot`] on `m` rows rounds `x` into AMX tiles (which [`amx_shared`] can share).
-#[cfg(target_arch = "x86_64")]
-pub(super) fn shares_amx_tiles(m: usize) -> bool {
-    m > amx::FEW_ROWS && Bf16Kernel::detect() == Some(Bf16Kernel::Amx)
-}
-
-/// [`gemm_bf16_dot`] of one `x` by each job's weight (all bf16, of one `k`), on row tiles rounded
-/// once: each `y` has the bits a call of its own gives it.
-#[cfg(target_arch = "x86_64")]
-pub(super) fn amx_shared(x: &[f32], m: usize, jobs: &mut [GemmJob<'_, '_>]) {
-    let Some(k) = jobs.first().map(|(w, ..)| w.k) else {
-        return;
-    };
-    assert_eq!(x.len(), m * k, "x is not [{m}, {k}]");
-    let (a, steps) = amx::tile_rows(x, m, k);
-    for (w, bias, y) in jobs.iter_mut() {
-        amx_panels((&a, steps), x, m, w, *bias, y);
-    }
 }
