@@ -8,11 +8,13 @@
 //! `gated` times a SwiGLU MLP's gate and up with their product, fused (`gemm_gated`) and as two
 //! products then an elementwise pass, on each path. `decode_shared` times a decode step's products
 //! that share an input (q, k and v; gate and up) over 8 layers' distinct weights (more than the
-//! caches hold), as one `gemm_shared` pass each and as one `gemm` per weight.
+//! caches hold), as one `gemm_shared` pass each and as one `gemm` per weight. `pack` times packing
+//! the 2B MLP's up projection into decode panels (`Panels::pack`, what `recall serve` does to every
+//! weight at load), fresh memory included.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use recall::backend::cpu::gemm::{
-    gemm, gemm_bf16_dot, gemm_gated, gemm_shared, set_bf16_dot, Bf16Kernel, Matrix, RowMajor,
+    gemm, gemm_bf16_dot, gemm_gated, gemm_shared, set_bf16_dot, Bf16Kernel, Matrix, Panels, RowMajor,
 };
 
 /// A random weight `[n, k]` as a checkpoint stores it: f32 values or bf16 little-endian bytes.
@@ -172,6 +174,19 @@ fn bench_gated(c: &mut Criterion) {
 /// One decode row by the 2B shape's q, k, v, gate and up of 8 layers (1.07 GB in f32): each
 /// layer's products on one input as one `gemm_shared` pass (`shared`) and as a `gemm` per weight
 /// (`separate`), exact in f32 and bf16, and on the bf16 kernel where the CPU has one.
+fn bench_pack(c: &mut Criterion) {
+    let (n, k) = (6144, 2048);
+    let mut g = c.benchmark_group("pack");
+    g.sample_size(10);
+    for (bf16, label) in [(false, "f32"), (true, "bf16")] {
+        let s = stored(n, k, bf16);
+        let w = matrix(&s, n, k);
+        g.throughput(Throughput::Bytes((n * k * if bf16 { 2 } else { 4 }) as u64));
+        g.bench_function(BenchmarkId::new("2b_up", label), |b| b.iter(|| Panels::pack(&w)));
+    }
+    g.finish();
+}
+
 fn bench_decode_shared(c: &mut Criterion) {
     let (k, layers) = (2048, 8);
     let shapes = [
@@ -249,6 +264,7 @@ criterion_group!(
     bench,
     bench_bf16_dot,
     bench_gated,
-    bench_decode_shared
+    bench_decode_shared,
+    bench_pack
 );
 criterion_main!(benches);

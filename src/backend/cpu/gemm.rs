@@ -184,17 +184,29 @@ enum PanelData {
 }
 
 impl Panels {
-    /// Packs `w` (in parallel, each element written once).
+    /// Packs `w` (in parallel, each element written once), at its stored width.
     pub fn pack(w: &Matrix<'_>) -> Panels {
         let (n, k) = (w.n, w.k);
         let panels = n.div_ceil(NR);
+        let isa = Isa::detect();
+        // Whole panels through the register transposes where the CPU has them; the rest, and
+        // the steps past the last whole transpose, one element at a time.
+        let fast = |p: usize, out: *mut u8| match isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Isa::detect` found AVX-512F; rows `16p..16p + 16` lie inside `w` (checked
+            // here) and `pack` hands each panel its `k · 16` elements of the stored width.
+            Isa::Avx512 if (p + 1) * NR <= n => unsafe { pack::decode_panel512(w, p * NR, out) },
+            _ => {
+                let _ = (p, out);
+                0
+            }
+        };
         let half = |b: &[u8]| {
-            pack(panels, n, k, |c, i| {
-                u16::from_le_bytes([b[2 * (c * k + i)], b[2 * (c * k + i) + 1]])
-            })
+            let at = |c, i| u16::from_le_bytes([b[2 * (c * k + i)], b[2 * (c * k + i) + 1]]);
+            pack(panels, n, k, at, fast)
         };
         let data = match w.data {
-            RowMajor::F32(v) => PanelData::F32(pack(panels, n, k, |c, i| v[c * k + i])),
+            RowMajor::F32(v) => PanelData::F32(pack(panels, n, k, |c, i| v[c * k + i], fast)),
             RowMajor::Bf16(b) => PanelData::Bf16(half(b)),
             RowMajor::F16(b) => PanelData::F16(half(b)),
         };
@@ -257,14 +269,17 @@ impl Panels {
     }
 }
 
-/// Panels `[panels][k][NR]` with `at(c, i)` = `W[c][i]` (zero past `n`). Every element is written
-/// exactly once, so the buffer is never zeroed first (fresh pages are zeroed by the kernel anyway:
-/// a second pass over gigabytes of panels was the largest cost of loading).
+/// Panels `[panels][k][NR]` with `at(c, i)` = `W[c][i]` (zero past `n`). `fast(p, panel)` may
+/// write the first steps of panel `p` itself (every lane) and returns how many; the rest is
+/// written element by element. Every element is written exactly once, so the buffer is never
+/// zeroed first (fresh pages are zeroed by the kernel anyway: a second pass over gigabytes of
+/// panels was the largest cost of loading).
 fn pack<T: Copy + Default + Send + Sync>(
     panels: usize,
     n: usize,
     k: usize,
     at: impl Fn(usize, usize) -> T + Sync,
+    fast: impl Fn(usize, *mut u8) -> usize + Sync,
 ) -> Vec<T> {
     /// Steps of `k` per tile: the tile's `NR` source rows are read in runs of this many elements.
     const TILE: usize = 64;
@@ -274,7 +289,9 @@ fn pack<T: Copy + Default + Send + Sync>(
         .par_chunks_mut((k * NR).max(1))
         .enumerate()
         .for_each(|(p, panel)| {
-            for i0 in (0..k).step_by(TILE) {
+            // `fast` writes every lane of steps `0..done`; the loops below, steps `done..k`.
+            let done = fast(p, panel.as_mut_ptr().cast());
+            for i0 in (done..k).step_by(TILE) {
                 let i1 = (i0 + TILE).min(k);
                 for j in 0..NR {
                     let c = p * NR + j;
@@ -285,8 +302,8 @@ fn pack<T: Copy + Default + Send + Sync>(
             }
         });
     // SAFETY: the chunks cover `out[..len]` (the last one may be short only when `k * NR` is 0,
-    // then `len` is 0) and the loops above write every element of every chunk once:
-    // `i` in `0..k`, `j` in `0..NR`.
+    // then `len` is 0); `fast` wrote every element of steps `0..done` of its panel and the loops
+    // above write every other element once: `i` in `done..k`, `j` in `0..NR`.
     unsafe { out.set_len(len) };
     out
 }

@@ -97,6 +97,9 @@ fn scalar(w: &Matrix<'_>, c0: usize, rows: usize, (k0, kc): (usize, usize), pane
     }
 }
 
+/// Whole decode panels at the stored width (`Panels::pack`).
+#[cfg(target_arch = "x86_64")]
+pub(super) use x86::decode_panel512;
 /// The 16 × 16 register transpose, for attention's scores on the pool (`attention.rs`).
 #[cfg(target_arch = "x86_64")]
 pub(in crate::backend::cpu) use x86::transpose16;
@@ -165,6 +168,45 @@ mod x86 {
         // A pair is 4 bytes: the f32 tiles move its bits as they are.
         tiles512::<F32>(src, w.k * 2, ic / 16, panel.as_mut_ptr().cast());
         16 * (ic / 16)
+    }
+
+    /// The first `k - k % 16` steps (f32) or `k - k % 32` steps (16-bit words) of one whole
+    /// panel (rows `c0..c0 + 16`) in the decode panels' layout `[k][16]`, at the stored width, as
+    /// 16 × 16 transposes; returns how many steps it packed. A 16-bit weight moves as 32-bit pairs
+    /// of neighbouring steps: after the transpose, lane `j` of pair step `i` holds `W[j][2i]` in
+    /// its low half and `W[j][2i + 1]` in its high half, and the two halves are narrowed apart.
+    ///
+    /// # Safety
+    /// AVX-512F; rows `c0..c0 + 16` inside `w`; `out` holds `k · 16` elements of the stored width
+    /// (4 bytes for f32, 2 otherwise).
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn decode_panel512(w: &Matrix<'_>, c0: usize, out: *mut u8) -> usize {
+        let (base, kind, size) = storage(w);
+        let src = base.add(c0 * w.k * size);
+        if kind == F32 {
+            tiles512::<F32>(src, w.k * 4, w.k / 16, out.cast());
+            return 16 * (w.k / 16);
+        }
+        let out = out.cast::<u16>();
+        for t in 0..w.k / 32 {
+            let at = src.add(64 * t);
+            let mut r = [_mm512_setzero_ps(); 16];
+            for j in 0..16 {
+                r[j] = _mm512_loadu_ps(at.add(j * w.k * 2).cast());
+            }
+            let c = transpose16(r);
+            for i in 0..16 {
+                let pair = _mm512_castps_si512(c[i]);
+                let step = 32 * t + 2 * i;
+                let (even, odd) = (
+                    _mm512_cvtepi32_epi16(pair),
+                    _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(pair)),
+                );
+                _mm256_storeu_si256(out.add(step * NR).cast(), even);
+                _mm256_storeu_si256(out.add((step + 1) * NR).cast(), odd);
+            }
+        }
+        32 * (w.k / 32)
     }
 
     /// 16 values of storage `KIND` at `p`, widened to f32.
