@@ -220,6 +220,14 @@ fn is_table(name: &str) -> bool {
     name.ends_with("embed_tokens.weight") || name.ends_with("pos_embed.weight")
 }
 
+/// Whether a weight may get decode panels ([`set_decode_panels`]): not a table, and not the vision
+/// tower's (prefix `visual.` or `model.visual.`), whose products run on a screenshot's hundreds of
+/// patches, never on a decode's few rows; its panels were a quarter of the packed bytes of the
+/// f32 2B shape at 4 layers, never read. Either layout gives the same bits (`gemm.rs`).
+fn decodes(name: &str) -> bool {
+    !is_table(name) && !name.starts_with("visual.") && !name.starts_with("model.visual.")
+}
+
 /// The CPU backend. Stateless; threads come from rayon's global pool. Profiling
 /// ([`Backend::set_profiling`]) times the ops of the thread that switched it on (see `profile.rs`).
 #[derive(Debug, Default, Clone, Copy)]
@@ -246,7 +254,7 @@ impl Backend for CpuBackend {
             let n = t.numel() as u64;
             let data = (0..n).into_par_iter().map(|i| fill.value(first + i)).collect();
             let w = CpuWeight::new(t.shape.clone(), Storage::Owned(data));
-            if !is_table(&t.name) {
+            if decodes(&t.name) {
                 w.pack_if_asked();
             }
             return Ok(w);
@@ -265,7 +273,7 @@ impl Backend for CpuBackend {
         // Nothing is copied: the GEMM reads the mapping (`gemm.rs`). Embedding tables are
         // gathered by row; a tied lm_head gets its panels through `prepare_linear`.
         let w = CpuWeight::new(t.shape.clone(), storage);
-        if !is_table(&t.name) {
+        if decodes(&t.name) {
             w.pack_if_asked();
         }
         Ok(w)
