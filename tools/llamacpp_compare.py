@@ -21,7 +21,10 @@ llama.cpp is what CPU users pick, so issue 29 measures against it as well as aga
    ``recall generate`` (its ``vision_seconds``) and through ``llama-mtmd-cli`` (the encoding time
    it logs, the encoder alone), alternated, medians, with the merged-token count llama.cpp reports
    (its resizer could round a screenshot otherwise than recall's; at 640x360 both make 640x352,
-   220 tokens).
+   220 tokens);
+5. with ``--served``, each text mode also as ``recall serve`` runs it: ``--cpu-decode-panels true``
+   (serve's default), the weights packed once for decode at load, so its decode streams them
+   contiguously; the table shows recall's load beside it (llama-bench's figures never include one).
 
     cargo build --release
     .venv-train/bin/pip install sentencepiece      # the converter imports it
@@ -66,6 +69,9 @@ def parse():
     ap.add_argument("--warm", action="store_true",
                     help="each timed one-shot process (recall, llama-mtmd-cli) right after an identical untimed "
                          "one (see tools/cpu_compare.py --warm-recall); llama-bench warms up in its own process")
+    ap.add_argument("--served", action="store_true",
+                    help="also run each recall mode as `recall serve` does: --cpu-decode-panels true, the "
+                         "weights packed for decode at load (its load then includes the packing)")
     ap.add_argument("--json", default=None, help="also write the report here")
     return ap.parse_args()
 
@@ -184,6 +190,8 @@ def compare(args, work, src, bench, model_dir, messages_path):
     outtype = checkpoint_dtype(model_dir)
     model = gguf(work, src, model_dir, outtype)
     modes = recall_modes(outtype)
+    if args.served:
+        modes += [mode + ["--cpu-decode-panels", "true"] for mode in modes]
     recs, lcps = [[] for _ in modes], []
     for _ in range(args.repeats):
         for mode, runs in zip(modes, recs):
@@ -250,13 +258,14 @@ def main():
         pathlib.Path(args.json).write_text(json.dumps({"text": reports, "vision": visions}, indent=2))
     print(f"\n{args.threads} threads, medians of {args.repeats}, llama.cpp {reports[0]['llama_cpp_commit']}"
           f"{', one-shot processes warm' if args.warm else ''}")
-    print("| model | recall mode | tokens | prefill s recall / llama.cpp | ratio | decode ms/token recall / llama.cpp "
-          "(depth N; depth 0) | ratio |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | recall mode | tokens | recall load s | prefill s recall / llama.cpp | ratio | decode ms/token "
+          "recall / llama.cpp (depth N; depth 0) | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in reports:
         rec, lcp = r["recall"], r["llama_cpp"]
         mode = " ".join(r["recall_args"]) or "exact"
-        print(f"| {r['dtype']} | {mode} | {r['prompt_tokens']} | {rec['prefill_seconds']:.3f} / {lcp['prefill_seconds']:.3f} | "
+        print(f"| {r['dtype']} | {mode} | {r['prompt_tokens']} | {rec['load_seconds']:.3f} | "
+              f"{rec['prefill_seconds']:.3f} / {lcp['prefill_seconds']:.3f} | "
               f"{r['prefill_ratio']:.2f} | {rec['decode_ms_per_token']:.1f} / {lcp['decode_ms_per_token']:.1f}; "
               f"{lcp['decode_ms_per_token_depth0']:.1f} | {r['decode_ratio']:.2f} |")
     print(f"\nvision tower, one {args.image_size} screenshot")
