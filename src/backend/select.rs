@@ -29,9 +29,9 @@ pub struct BackendArgs {
     /// KV pool, which gets what is left), as vLLM's --gpu-memory-utilization.
     #[arg(long, default_value_t = 0.9)]
     pub gpu_memory_utilization: f64,
-    /// On the CPU: also pack every weight at load into decode panels (true) or read the
+    /// On the CPU: also pack the decoder's weights at load into decode panels (true) or read the
     /// checkpoint's mapping only (false). Panels make decode faster and cost a second copy of the
-    /// model and the load time [default: true for serve, false for one-shot commands].
+    /// decoder and the load time [default: true for serve, false for one-shot commands].
     #[arg(long, value_name = "BOOL")]
     pub cpu_decode_panels: Option<bool>,
     /// On the CPU, for bf16 checkpoints: round each product's input to bf16 and multiply with
