@@ -100,6 +100,7 @@ fn scalar(w: &Matrix<'_>, c0: usize, rows: usize, (k0, kc): (usize, usize), pane
 /// Whole decode panels at the stored width (`Panels::pack`).
 #[cfg(target_arch = "x86_64")]
 pub(super) use x86::decode_panel512;
+
 /// The 16 × 16 register transpose, for attention's scores on the pool (`attention.rs`).
 #[cfg(target_arch = "x86_64")]
 pub(in crate::backend::cpu) use x86::transpose16;
@@ -189,12 +190,7 @@ mod x86 {
         }
         let out = out.cast::<u16>();
         for t in 0..w.k / 32 {
-            let at = src.add(64 * t);
-            let mut r = [_mm512_setzero_ps(); 16];
-            for j in 0..16 {
-                r[j] = _mm512_loadu_ps(at.add(j * w.k * 2).cast());
-            }
-            let c = transpose16(r);
+            let c = transposed512::<F32>(src.add(64 * t), w.k * 2);
             for i in 0..16 {
                 let pair = _mm512_castps_si512(c[i]);
                 let step = 32 * t + 2 * i;
@@ -229,16 +225,23 @@ mod x86 {
     unsafe fn tiles512<const KIND: u8>(src: *const u8, ld: usize, tiles: usize, out: *mut f32) {
         let size = if KIND == F32 { 4 } else { 2 };
         for t in 0..tiles {
-            let at = src.add(16 * t * size);
-            let mut r = [_mm512_setzero_ps(); 16];
-            for j in 0..16 {
-                r[j] = load512::<KIND>(at.add(j * ld));
-            }
-            let c = transpose16(r);
+            let c = transposed512::<KIND>(src.add(16 * t * size), ld);
             for i in 0..16 {
                 _mm512_storeu_ps(out.add((16 * t + i) * NR), c[i]);
             }
         }
+    }
+
+    /// The 16 rows from `at` (`ld` bytes apart), 16 values of storage `KIND` each, widened and
+    /// transposed: `c[i]` lane `j` is row `j`'s value `i`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn transposed512<const KIND: u8>(at: *const u8, ld: usize) -> [__m512; 16] {
+        let mut r = [_mm512_setzero_ps(); 16];
+        for j in 0..16 {
+            r[j] = load512::<KIND>(at.add(j * ld));
+        }
+        transpose16(r)
     }
 
     /// `c[i]` lane `j` = `r[j]` lane `i`.
