@@ -9,8 +9,8 @@
 //! products then an elementwise pass, on each path. `decode_shared` times a decode step's products
 //! that share an input (q, k and v; gate and up) over 8 layers' distinct weights (more than the
 //! caches hold), as one `gemm_shared` pass each and as one `gemm` per weight. `pack` times packing
-//! the 2B MLP's up projection into decode panels (`Panels::pack`, what `recall serve` does to every
-//! weight at load), fresh memory included.
+//! the 2B MLP's up projection into decode panels (`Panels::pack`, what `recall serve` does to each
+//! decoder weight at load), fresh memory included.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use recall::backend::cpu::gemm::{
@@ -171,9 +171,8 @@ fn bench_gated(c: &mut Criterion) {
     g.finish();
 }
 
-/// One decode row by the 2B shape's q, k, v, gate and up of 8 layers (1.07 GB in f32): each
-/// layer's products on one input as one `gemm_shared` pass (`shared`) and as a `gemm` per weight
-/// (`separate`), exact in f32 and bf16, and on the bf16 kernel where the CPU has one.
+/// `Panels::pack` of the 2B MLP's up projection, f32 and bf16: a fresh buffer each time, as a
+/// load packs each weight once.
 fn bench_pack(c: &mut Criterion) {
     let (n, k) = (6144, 2048);
     let mut g = c.benchmark_group("pack");
@@ -187,6 +186,9 @@ fn bench_pack(c: &mut Criterion) {
     g.finish();
 }
 
+/// One decode row by the 2B shape's q, k, v, gate and up of 8 layers (1.07 GB in f32): each
+/// layer's products on one input as one `gemm_shared` pass (`shared`) and as a `gemm` per weight
+/// (`separate`), exact in f32 and bf16, and on the bf16 kernel where the CPU has one.
 fn bench_decode_shared(c: &mut Criterion) {
     let (k, layers) = (2048, 8);
     let shapes = [
